@@ -1,0 +1,156 @@
+"""Every hook tfdp puts into private Keras code, in one place.
+
+Each patch names the Keras file it depends on; `tests/test_compat.py` fails
+loudly if one of those hooks moves. `install()` is idempotent.
+"""
+
+import contextlib
+import functools
+import threading
+
+_installed = False
+_state = threading.local()
+
+
+def gradient_reducer(optimizer):
+    """Return the reducer that manages `optimizer`'s gradients, or None.
+
+    A `tfdp.DistributedOptimizer` carries its own; otherwise the reducer comes from
+    the tfdp strategy the optimizer was created under.
+    """
+    reducer = getattr(optimizer, "_tfdp_gradient_reducer", None)
+    if reducer is not None:
+        return reducer
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    return getattr(getattr(strategy, "extended", None), "gradient_reducer", None)
+
+
+@contextlib.contextmanager
+def _gradients_reduced():
+    previous = getattr(_state, "reduced", False)
+    _state.reduced = True
+    try:
+        yield
+    finally:
+        _state.reduced = previous
+
+
+def _reduce_first(method):
+    """Wrap `method(self, grads, ...)` so that grads are reduced across workers first."""
+
+    @functools.wraps(method)
+    def wrapper(self, grads, *args, **kwargs):
+        reducer = gradient_reducer(self)
+        if reducer is None or getattr(_state, "reduced", False):
+            return method(self, grads, *args, **kwargs)
+        grads = reducer(list(grads))
+        with _gradients_reduced():
+            return method(self, grads, *args, **kwargs)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _skip_keras_all_reduce(method):
+    @functools.wraps(method)
+    def wrapper(self, grads_and_vars):
+        if gradient_reducer(self) is not None:
+            return list(grads_and_vars)
+        return method(self, grads_and_vars)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _patch_optimizers():
+    # keras/src/optimizers/base_optimizer.py: `_backend_apply_gradients` calls
+    # `_clip_gradients(grads)` once per real update (after gradient accumulation),
+    # before `_backend_update_step`. Reducing there makes clipnorm/global_clipnorm act
+    # on the averaged gradient and keeps accumulation local.
+    from keras.src.optimizers import base_optimizer
+
+    base_optimizer.BaseOptimizer._clip_gradients = _reduce_first(
+        base_optimizer.BaseOptimizer._clip_gradients
+    )
+    # keras/src/backend/tensorflow/optimizer.py: `_backend_update_step` sums gradients
+    # with `get_replica_context().all_reduce`; tfdp has already reduced them.
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+
+    tf_optimizer.TFOptimizer._all_reduce_sum_gradients = _skip_keras_all_reduce(
+        tf_optimizer.TFOptimizer._all_reduce_sum_gradients
+    )
+    # keras/src/optimizers/loss_scale_optimizer.py: `apply` decides from the local
+    # gradients whether they are finite. Reducing first makes it one global decision
+    # (a non-finite value on any rank is non-finite in the sum).
+    from keras.src.optimizers import loss_scale_optimizer
+
+    loss_scale_optimizer.LossScaleOptimizer.apply = _reduce_first(
+        loss_scale_optimizer.LossScaleOptimizer.apply
+    )
+
+
+def _patch_step_outputs():
+    # keras/src/backend/tensorflow/trainer.py: train/test/predict steps pass the
+    # outputs of `strategy.run` through module-level `reduce_per_replica`. A tfdp
+    # strategy has one local replica, so Keras would return local values; the strategy
+    # makes them global (mean for metrics, in-order gather for predictions).
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original = tf_trainer.reduce_per_replica
+
+    @functools.wraps(original)
+    def reduce_per_replica(values, strategy, reduction):
+        hook = getattr(strategy.extended, "reduce_step_outputs", None)
+        if hook is None:
+            return original(values, strategy, reduction)
+        return hook(values, reduction)
+
+    reduce_per_replica._tfdp_original = original
+    tf_trainer.reduce_per_replica = reduce_per_replica
+
+
+def _patch_callbacks():
+    # keras/src/callbacks/callback_list.py: `CallbackList.__init__(callbacks,
+    # add_history, add_progbar, model, **params)` is built by fit/evaluate/predict.
+    # On workers other than rank 0 tfdp drops the progress bar and the callbacks that
+    # only write files, and makes BackupAndRestore read-only.
+    from keras.src.callbacks import callback_list
+    from keras.src.callbacks.backup_and_restore import BackupAndRestore
+    from keras.src.callbacks.model_checkpoint import ModelCheckpoint
+    from keras.src.callbacks.tensorboard import TensorBoard
+
+    original = callback_list.CallbackList.__init__
+
+    @functools.wraps(original)
+    def __init__(self, callbacks=None, add_history=False, add_progbar=False, model=None, **params):
+        extended = getattr(getattr(model, "_distribute_strategy", None), "extended", None)
+        if getattr(extended, "is_chief", True) is False:
+            add_progbar = False
+            kept = []
+            for callback in callbacks or []:
+                if isinstance(callback, (ModelCheckpoint, TensorBoard)):
+                    continue
+                if isinstance(callback, BackupAndRestore):
+                    callback._save_model = lambda: None
+                    callback.on_train_end = lambda logs=None: None
+                kept.append(callback)
+            if isinstance(callbacks, callback_list.CallbackList):
+                callbacks.callbacks[:] = kept
+            else:
+                callbacks = kept
+        original(self, callbacks, add_history=add_history, add_progbar=add_progbar,
+                 model=model, **params)
+
+    __init__._tfdp_original = original
+    callback_list.CallbackList.__init__ = __init__
+
+
+def install():
+    """Install all hooks once per process."""
+    global _installed
+    if _installed:
+        return
+    _patch_optimizers()
+    _patch_step_outputs()
+    _patch_callbacks()
+    _installed = True

@@ -1,0 +1,96 @@
+"""Keras 3 versions of Horovod's callbacks, for `fit` without a tfdp strategy.
+
+Under a tfdp strategy none of them is needed: variables start from rank 0's values
+and reported metrics are already global.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdp.comm import CommunicationStats, Communicator
+
+__all__ = ["BroadcastGlobalVariables", "MetricAverage", "LearningRateWarmup"]
+
+
+def _communicator():
+    return Communicator(CommunicationStats())
+
+
+class BroadcastGlobalVariables(keras.callbacks.Callback):
+    """Copy rank `root_rank`'s model and optimizer variables to every worker when training starts.
+
+    Example:
+        >>> model.fit(x, y, callbacks=[tfdp.callbacks.BroadcastGlobalVariables()])
+    """
+
+    def __init__(self, root_rank=0):
+        super().__init__()
+        self.root_rank = root_rank
+        self._communicator = _communicator()
+
+    def on_train_begin(self, logs=None):
+        variables = list(self.model.variables)
+        if self.model.optimizer is not None:
+            if not self.model.optimizer.built:
+                self.model.optimizer.build(self.model.trainable_variables)
+            variables += list(self.model.optimizer.variables)
+        for variable in variables:
+            variable.assign(self._communicator.broadcast(tf.convert_to_tensor(variable), self.root_rank))
+
+
+class MetricAverage(keras.callbacks.Callback):
+    """Replace each epoch's logged metrics by their average over workers.
+
+    Put it before callbacks that read the logs (EarlyStopping, ModelCheckpoint).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._communicator = _communicator()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        keys = sorted(logs)  # Same order on every worker.
+        values = tf.constant([float(logs[k]) for k in keys], tf.float64)
+        [averaged] = self._communicator.allreduce([values], op="average")
+        for key, value in zip(keys, averaged.numpy()):
+            logs[key] = float(value)
+
+
+class LearningRateWarmup(keras.callbacks.Callback):
+    """Ramp the learning rate from ``target_lr / size`` to ``target_lr`` over the first epochs.
+
+    Large global batches want a learning rate scaled with the number of workers
+    (Goyal et al., https://arxiv.org/abs/1706.02677); warming up to it avoids early
+    divergence.
+
+    Args:
+        target_lr: learning rate after warm-up (typically base rate × workers).
+        warmup_epochs: length of the ramp, in epochs.
+        steps_per_epoch: batches per epoch (the ramp advances every batch).
+    """
+
+    def __init__(self, target_lr, warmup_epochs=5, steps_per_epoch=None):
+        super().__init__()
+        if warmup_epochs <= 0:
+            raise ValueError(f"`warmup_epochs` must be > 0. Received: warmup_epochs={warmup_epochs}")
+        self.target_lr = float(target_lr)
+        self.warmup_epochs = warmup_epochs
+        self.steps_per_epoch = steps_per_epoch
+        self._epoch = 0
+        self._size = _communicator().size
+
+    def learning_rate_at(self, epoch, batch):
+        """Return the warm-up learning rate at (`epoch`, `batch`)."""
+        steps = self.steps_per_epoch or self.params.get("steps") or 1
+        progress = min(1.0, (epoch + batch / steps) / self.warmup_epochs)
+        start = self.target_lr / self._size
+        return start + (self.target_lr - start) * progress
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._epoch < self.warmup_epochs:
+            self.model.optimizer.learning_rate.assign(self.learning_rate_at(self._epoch, batch))

@@ -1,0 +1,59 @@
+"""`tfdp.DistributedOptimizer`: Horovod-averaged gradients for any Keras 3 optimizer."""
+
+from tfdp import _compat
+from tfdp.comm import CommunicationStats, Communicator
+from tfdp.reducers import AllReduceGradients
+
+_OPS = ("average", "sum")
+
+
+def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1):  # noqa: N802 (Horovod's name)
+    """Make `optimizer` average its gradients across Horovod workers before each update.
+
+    For custom training loops and for `fit` without a tfdp strategy. The optimizer
+    object itself is returned, not a wrapper class, so a saved model reloads with
+    the plain base optimizer. The exchange happens where Keras clips gradients, so
+    ``clipnorm``/``global_clipnorm`` act on the averaged gradient; a
+    `LossScaleOptimizer` checks finiteness on the averaged gradient, one decision for
+    all workers.
+
+    Args:
+        optimizer: a Keras 3 optimizer (built or not).
+        op: ``"average"`` (the usual choice with per-worker losses) or ``"sum"``.
+        backward_passes_per_step: accumulate this many local gradients before one
+            exchange (uses Keras's ``gradient_accumulation_steps``).
+
+    Returns:
+        `optimizer`, with ``optimizer.communication_stats()`` added.
+
+    Raises:
+        ValueError: bad `op` or `backward_passes_per_step`.
+
+    Example:
+        >>> opt = tfdp.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.apply(grads, model.trainable_variables)
+    """
+    if op not in _OPS:
+        raise ValueError(f"`op` must be one of {_OPS}. Received: op={op!r}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(
+            "`backward_passes_per_step` must be an integer >= 1. "
+            f"Received: backward_passes_per_step={backward_passes_per_step!r}"
+        )
+    if getattr(optimizer, "_tfdp_gradient_reducer", None) is not None:
+        raise ValueError("This optimizer is already a tfdp.DistributedOptimizer.")
+    if backward_passes_per_step > 1:
+        if optimizer.built or optimizer.gradient_accumulation_steps:
+            raise ValueError(
+                "`backward_passes_per_step` > 1 needs an optimizer that is not built yet "
+                "and has no `gradient_accumulation_steps` of its own."
+            )
+        optimizer.gradient_accumulation_steps = backward_passes_per_step
+    _compat.install()
+    stats = CommunicationStats()
+    reducer = AllReduceGradients(Communicator(stats), op=op)
+    # object.__setattr__: Keras's auto-tracking must not adopt tfdp's counters as
+    # optimizer state (they would end up in checkpoints).
+    object.__setattr__(optimizer, "_tfdp_gradient_reducer", reducer)
+    object.__setattr__(optimizer, "communication_stats", stats.as_dict)
+    return optimizer

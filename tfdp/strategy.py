@@ -1,0 +1,252 @@
+"""`tfdp.MirroredStrategy`: synchronous data parallelism across Horovod workers.
+
+Each process holds one replica on its CPU (or its local device); the strategy
+reports `num_replicas_in_sync` equal to the number of Horovod workers, so Keras
+scales losses and splits work as it would for that many replicas, and every
+cross-replica operation is a Horovod collective.
+"""
+
+import zlib
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, mirrored_strategy, reduce_util
+from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.framework import random_seed
+from tensorflow.python.ops import control_flow_util
+
+from tfdp import _compat
+from tfdp.comm import CommunicationStats, Communicator
+from tfdp.data import shard_global_batches
+from tfdp.reducers import AllReduceGradients
+
+_SIGNATURE_DIMS = 8
+
+
+def _variable_signature(name, value):
+    """Encode name, dtype and shape of an initial value as an int64 row."""
+    shape = list(value.shape)
+    dims = shape[:_SIGNATURE_DIMS] + [-1] * (_SIGNATURE_DIMS - len(shape))
+    name_code = zlib.crc32(str(name).encode()) & 0x7FFFFFFF
+    return [name_code, value.dtype.as_datatype_enum, len(shape)] + [int(d) for d in dims]
+
+
+def _describe_signature(row):
+    ndim = int(row[2])
+    dims = [int(d) for d in row[3 : 3 + min(ndim, _SIGNATURE_DIMS)]]
+    return f"dtype={tf.dtypes.as_dtype(int(row[1])).name}, shape={dims}, name-hash={int(row[0])}"
+
+
+class HorovodExtended(mirrored_strategy.MirroredExtended):
+    """`tf.distribute` internals of the tfdp strategies: one local replica per Horovod worker."""
+
+    def __init__(self, container_strategy, communicator, gradient_reducer):
+        self.communicator = communicator
+        self.gradient_reducer = gradient_reducer
+        self._rank = communicator.rank
+        self._size = communicator.size
+        super().__init__(container_strategy, devices=["/cpu:0"])
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def is_chief(self):
+        return self._rank == 0
+
+    # -- replicas ---------------------------------------------------------------
+    @property
+    def _num_replicas_in_sync(self):
+        return self._size
+
+    def _use_merge_call(self):
+        # One local replica: every cross-replica step can run inline in replica context.
+        return False
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if self._size > 1 and control_flow_util.GraphOrParentsInXlaContext(
+            tf.compat.v1.get_default_graph()
+        ):
+            raise ValueError(
+                "tfdp runs Horovod collectives, which cannot be compiled by XLA. "
+                "Received a step compiled with jit_compile=True. "
+                "Pass jit_compile=False to model.compile() (or to tf.function)."
+            )
+        return super()._call_for_each_replica(fn, args, kwargs)
+
+    # -- variables ----------------------------------------------------------------
+    def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
+        initial_value = kwargs["initial_value"]
+        if self._size == 1:
+            return initial_value
+        name = kwargs.get("name")
+        dtype = kwargs.get("dtype")
+
+        def initial_value_from_rank0():
+            value = initial_value() if callable(initial_value) else initial_value
+            value = tf.convert_to_tensor(value, dtype=dtype)
+            if tf.executing_eagerly():
+                self._check_same_variable_everywhere(name, value)
+            return self.communicator.broadcast(value, root_rank=0)
+
+        return initial_value_from_rank0
+
+    def _check_same_variable_everywhere(self, name, value):
+        mine = np.array([_variable_signature(name, value)], dtype=np.int64)
+        everyone = self.communicator.allgather(tf.constant(mine)).numpy()
+        for rank, row in enumerate(everyone):
+            if not np.array_equal(row, everyone[0]):
+                raise ValueError(
+                    f"tfdp: the model differs across workers. Variable {name!r} has "
+                    f"{_describe_signature(everyone[0])} on rank 0 but "
+                    f"{_describe_signature(row)} on rank {rank}. Build the same model, "
+                    "in the same order, on every worker."
+                )
+
+    # -- collectives --------------------------------------------------------------
+    @staticmethod
+    def _op_name(reduce_op):
+        if isinstance(reduce_op, str):
+            reduce_op = reduce_util.ReduceOp(reduce_op.upper())
+        return "sum" if reduce_op == reduce_util.ReduceOp.SUM else "average"
+
+    def _local(self, value):
+        if isinstance(value, tf_values.DistributedValues):
+            value = value._values[0]  # The only local replica.
+        if isinstance(value, tf.IndexedSlices):
+            return tf.convert_to_tensor(value)
+        return tf.convert_to_tensor(value)
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        flat = [self._local(v) for v in tf.nest.flatten(value)]
+        reduced = self.communicator.allreduce(flat, op=self._op_name(reduce_op))
+        return tf.nest.pack_sequence_as(value, reduced)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if tf_values.Mirrored is not None and isinstance(value, tf_values.Mirrored):
+            if self._op_name(reduce_op) == "average":
+                return self._local(value)
+        flat = [self._local(v) for v in tf.nest.flatten(value)]
+        reduced = self.communicator.allreduce(flat, op=self._op_name(reduce_op))
+        return tf.nest.pack_sequence_as(value, reduced)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        flat = [self._local(v) for v, _ in value_destination_pairs]
+        return self.communicator.allreduce(flat, op=self._op_name(reduce_op))
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        local = self._local(value)
+        if axis == 0:
+            return self.communicator.allgather(local)
+        perm = [axis] + [i for i in range(local.shape.rank) if i != axis]
+        gathered = self.communicator.allgather(tf.transpose(local, perm))
+        return tf.transpose(gathered, np.argsort(perm))
+
+    def _broadcast_to(self, tensor, destinations):
+        return tensor
+
+    def reduce_step_outputs(self, values, reduction):
+        """Make Keras step outputs global: metrics averaged, predictions gathered."""
+        if reduction == "concat":
+            return tf.nest.map_structure(self.communicator.allgather, values)
+        if reduction == "first":
+            return values
+        op = "sum" if reduction == "sum" else "average"
+        flat = tf.nest.flatten(values)
+        floats = [i for i, t in enumerate(flat) if tf.as_dtype(t.dtype).is_floating]
+        reduced = self.communicator.allreduce([flat[i] for i in floats], op=op)
+        for i, r in zip(floats, reduced):
+            flat[i] = r
+        return tf.nest.pack_sequence_as(values, flat)
+
+    # -- input --------------------------------------------------------------------
+    def _experimental_distribute_dataset(self, dataset, options):
+        return shard_global_batches(dataset, self._rank, self._size)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        context = distribute_lib.InputContext(
+            num_input_pipelines=self._size,
+            input_pipeline_id=self._rank,
+            num_replicas_in_sync=self._size,
+        )
+        return dataset_fn(context)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        return value_fn(distribute_lib.ValueContext(self._rank, self._size))
+
+    @property
+    def should_checkpoint(self):
+        return self.is_chief
+
+    @property
+    def should_save_summary(self):
+        return self.is_chief
+
+
+class _HorovodStrategyBase(distribute_lib.Strategy):
+    """Shared set-up of the tfdp strategies; subclasses choose the gradient reducer."""
+
+    _collective_key_base = 0  # Read by MirroredExtended.__init__; tfdp uses no TF collectives.
+
+    def __init__(self, make_reducer):
+        _compat.install()
+        communicator = Communicator(CommunicationStats())
+        super().__init__(HorovodExtended(self, communicator, make_reducer(communicator)))
+        if communicator.size > 1:
+            self._share_random_seed(communicator)
+
+    @staticmethod
+    def _share_random_seed(communicator):
+        # Keras shuffles `fit` inputs with TF's global seed; ranks must draw the same
+        # permutation or the global batches would not partition the data.
+        if random_seed.get_seed(None)[0] is not None:
+            return
+        seed = tf.constant([np.random.SeedSequence().entropy % (2**31)], tf.int64)
+        tf.random.set_seed(int(communicator.broadcast(seed, root_rank=0).numpy()[0]))
+
+    @property
+    def rank(self):
+        """This worker's Horovod rank."""
+        return self.extended.rank
+
+    @property
+    def is_chief(self):
+        """True on rank 0, the worker that prints and writes files."""
+        return self.extended.is_chief
+
+    def communication_stats(self):
+        """Return what this worker handed to collectives since the strategy was created.
+
+        Returns:
+            dict with ``steps`` (gradient exchanges), ``collectives`` (collective
+            calls), ``payload_bytes`` (bytes handed to collectives, all of them),
+            ``dense_bytes`` (what the exchanged gradients are as float32),
+            ``rounds`` and ``max_staleness``.
+        """
+        stats = self.extended.communicator.stats.as_dict()
+        stats["max_staleness"] = 0
+        return stats
+
+
+class MirroredStrategy(_HorovodStrategyBase):
+    """Synchronous data parallelism: gradients all-reduced through Horovod every step.
+
+    Launch the same script on every worker (``horovodrun -np 2 python train.py``);
+    without horovodrun it runs as one plain process. ``batch_size`` passed to
+    ``fit`` is the global batch: each worker trains on its share of every batch,
+    so P workers follow the single-process trajectory of the same batch size.
+    Initial variables are broadcast from rank 0 when they are created, after a check
+    that every worker builds the same variables.
+
+    Example:
+        >>> import keras, tfdp
+        >>> strategy = tfdp.MirroredStrategy()
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
+    """
+
+    def __init__(self):
+        super().__init__(lambda communicator: AllReduceGradients(communicator, op="sum"))
