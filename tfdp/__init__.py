@@ -12,7 +12,7 @@ from tfdp import callbacks
 from tfdp.optimizer import DistributedOptimizer
 from tfdp.presets import preset_names, strategy
 from tfdp.runtime import init, is_chief, local_rank, rank, size
-from tfdp.strategy import MirroredStrategy
+from tfdp.mirrored import MirroredStrategy
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ PRESET_KEYS = {"description": str, "strategy": str, "options": dict}
 
 
 def _strategy_classes():
-    from tfdp.strategy import MirroredStrategy
+    from tfdp.mirrored import MirroredStrategy
 
     return {"mirrored": MirroredStrategy}
 

@@ -1,4 +1,4 @@
-"""`tfdp.MirroredStrategy`: synchronous data parallelism across Horovod workers.
+"""The tf.distribute machinery shared by all tfdp strategies.
 
 Each process holds one replica on its CPU (or its local device); the strategy
 reports `num_replicas_in_sync` equal to the number of Horovod workers, so Keras
@@ -6,6 +6,8 @@ scales losses and splits work as it would for that many replicas, and every
 cross-replica operation is a Horovod collective.
 """
 
+import os
+import sys
 import zlib
 
 import numpy as np
@@ -18,9 +20,9 @@ from tensorflow.python.ops import control_flow_util
 from tfdp import _compat
 from tfdp.comm import CommunicationStats, Communicator
 from tfdp.data import shard_global_batches
-from tfdp.reducers import AllReduceGradients
 
 _SIGNATURE_DIMS = 8
+VERBOSE_WORKERS_ENV = "TFDP_VERBOSE_WORKERS"
 
 
 def _variable_signature(name, value):
@@ -184,7 +186,7 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
         return self.is_chief
 
 
-class _HorovodStrategyBase(distribute_lib.Strategy):
+class HorovodStrategy(distribute_lib.Strategy):
     """Shared set-up of the tfdp strategies; subclasses choose the gradient reducer."""
 
     _collective_key_base = 0  # Read by MirroredExtended.__init__; tfdp uses no TF collectives.
@@ -195,6 +197,9 @@ class _HorovodStrategyBase(distribute_lib.Strategy):
         super().__init__(HorovodExtended(self, communicator, make_reducer(communicator)))
         if communicator.size > 1:
             self._share_random_seed(communicator)
+            if not self.extended.is_chief and os.environ.get(VERBOSE_WORKERS_ENV) != "1":
+                # Rank 0 speaks for the job; errors still reach stderr on every rank.
+                sys.stdout = open(os.devnull, "w")
 
     @staticmethod
     def _share_random_seed(communicator):
@@ -227,26 +232,3 @@ class _HorovodStrategyBase(distribute_lib.Strategy):
         stats = self.extended.communicator.stats.as_dict()
         stats["max_staleness"] = 0
         return stats
-
-
-class MirroredStrategy(_HorovodStrategyBase):
-    """Synchronous data parallelism: gradients all-reduced through Horovod every step.
-
-    Launch the same script on every worker (``horovodrun -np 2 python train.py``);
-    without horovodrun it runs as one plain process. ``batch_size`` passed to
-    ``fit`` is the global batch: each worker trains on its share of every batch,
-    so P workers follow the single-process trajectory of the same batch size.
-    Initial variables are broadcast from rank 0 when they are created, after a check
-    that every worker builds the same variables.
-
-    Example:
-        >>> import keras, tfdp
-        >>> strategy = tfdp.MirroredStrategy()
-        >>> with strategy.scope():
-        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        ...     model.compile(optimizer="sgd", loss="mse")
-        >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
-    """
-
-    def __init__(self):
-        super().__init__(lambda communicator: AllReduceGradients(communicator, op="sum"))

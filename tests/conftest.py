@@ -1,0 +1,58 @@
+"""Launch real workers with a hard timeout: a hang is a failure, never a wait."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+BIN = Path(sys.executable).parent
+QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TFDP_VERBOSE_WORKERS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+
+    def results(self, out_dir, nranks):
+        return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(nranks)]
+
+
+def _run(cmd, timeout, env=None):
+    full_env = {**os.environ, **QUIET_ENV, **(env or {})}
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=full_env, start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s (hang): {' '.join(map(str, cmd))}\n{output[-4000:]}")
+    return Run(proc.returncode, output, time.monotonic() - start)
+
+
+def run_workers(script, np_=2, args=(), timeout=240, env=None):
+    """Run `tests/workers/<script>` on `np_` workers under horovodrun (Gloo, localhost)."""
+    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+           sys.executable, str(WORKERS / script), *map(str, args)]
+    return _run(cmd, timeout, env)
+
+
+def run_plain(script, args=(), timeout=240, env=None):
+    """Run `tests/workers/<script>` as one plain process (no horovodrun)."""
+    return _run([sys.executable, str(WORKERS / script), *map(str, args)], timeout, env)
+
+
+def assert_ok(run):
+    assert run.returncode == 0, run.output[-6000:]

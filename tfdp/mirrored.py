@@ -1,0 +1,29 @@
+"""`tfdp.MirroredStrategy`: synchronous data parallelism across Horovod workers."""
+
+from tfdp.base import HorovodStrategy
+from tfdp.reducers import AllReduceGradients
+
+
+class MirroredStrategy(HorovodStrategy):
+    """Synchronous data parallelism: gradients all-reduced through Horovod every step.
+
+    Launch the same script on every worker (``horovodrun -np 2 python train.py``);
+    without horovodrun it runs as one plain process. ``batch_size`` passed to
+    ``fit`` is the global batch: each worker trains on its share of every batch,
+    so P workers follow the single-process trajectory of the same batch size.
+    Initial variables are broadcast from rank 0 when they are created, after a check
+    that every worker builds the same variables. Only rank 0 writes to stdout
+    (progress bars, prints) and writes checkpoints and TensorBoard logs; set
+    ``TFDP_VERBOSE_WORKERS=1`` to keep every rank's stdout.
+
+    Example:
+        >>> import keras, tfdp
+        >>> strategy = tfdp.MirroredStrategy()
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
+    """
+
+    def __init__(self):
+        super().__init__(lambda communicator: AllReduceGradients(communicator, op="sum"))
