@@ -75,7 +75,19 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
                 "Received a step compiled with jit_compile=True. "
                 "Pass jit_compile=False to model.compile() (or to tf.function)."
             )
-        return super()._call_for_each_replica(fn, args, kwargs)
+        # One local replica: run it inline, as TF's default strategy does. Unlike
+        # MirroredStrategy's replica threads, an inline ReplicaContext can merge_call
+        # from inside cond branches (LossScaleOptimizer updates variables there).
+        with distribute_lib.ReplicaContext(
+            self._container_strategy(), replica_id_in_sync_group=self._rank
+        ):
+            return fn(*args, **kwargs)
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return 0
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return self._rank
 
     # -- variables ----------------------------------------------------------------
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):

@@ -1,0 +1,51 @@
+"""The tf.distribute API of tfdp.MirroredStrategy across two real workers."""
+
+import pytest
+from conftest import assert_ok, run_workers
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api")
+    run = run_workers("api.py", 2, ["--out", out])
+    assert_ok(run)
+    return run.results(out, 2)
+
+
+def test_replicas_are_workers(results):
+    for rank, r in enumerate(results):
+        assert (r["rank"], r["size"], r["num_replicas_in_sync"], r["local_results_len"]) == (rank, 2, 2, 1)
+
+
+def test_reduce_and_all_reduce(results):
+    # Rank r contributes [r+1, 10(r+1)].
+    for r in results:
+        assert r["reduce_sum"] == [3.0, 30.0]
+        assert r["reduce_mean"] == [1.5, 15.0]
+        assert r["reduce_sum_axis0"] == 33.0
+        assert r["reduce_mean_axis0"] == 8.25
+        assert (r["replica_all_reduce_sum"], r["replica_all_reduce_mean"]) == (3.0, 1.5)
+
+
+def test_gather_in_rank_order(results):
+    for r in results:
+        assert r["gather_axis0"] == [[0.0], [0.0], [1.0], [1.0]]
+        assert r["gather_axis1"] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_datasets_split_global_batches(results):
+    assert results[0]["distributed_dataset"] == [[0, 1], [4, 5], [8]]
+    assert results[1]["distributed_dataset"] == [[2, 3], [6, 7], [9]]
+    assert results[0]["datasets_from_function"] == [[0, 2], [4, 6]]
+    assert results[1]["datasets_from_function"] == [[1, 3], [5, 7]]
+    assert [r["values_from_function"] for r in results] == [0.0, 1.0]
+
+
+def test_predict_all_rows_in_order_and_global_evaluate(results):
+    for r in results:
+        assert r["predict_shape"] == [103, 1]
+        assert r["predict_max_abs_error"] < 1e-5
+        assert r["evaluate"] == pytest.approx(r["evaluate_expected"], rel=1e-5)
+    assert results[0]["evaluate"] == results[1]["evaluate"]

@@ -1,0 +1,78 @@
+"""Exercise the tf.distribute API of tfdp.MirroredStrategy; write what each call returned."""
+
+import argparse
+
+from _common import write_result
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfdp
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    strategy = tfdp.MirroredStrategy()
+    rank, size = tfdp.rank(), tfdp.size()
+    result = {"rank": rank, "size": size, "num_replicas_in_sync": strategy.num_replicas_in_sync}
+
+    per_rank = strategy.run(lambda: tf.constant([float(rank + 1), 10.0 * (rank + 1)]))
+    result["local_results_len"] = len(strategy.experimental_local_results(per_rank))
+    result["reduce_sum"] = strategy.reduce("SUM", per_rank, axis=None).numpy().tolist()
+    result["reduce_mean"] = strategy.reduce("MEAN", per_rank, axis=None).numpy().tolist()
+    result["reduce_sum_axis0"] = float(strategy.reduce("SUM", per_rank, axis=0).numpy())
+    result["reduce_mean_axis0"] = float(strategy.reduce("MEAN", per_rank, axis=0).numpy())
+    matrix = strategy.run(lambda: tf.fill([2, 1 + rank * 0], float(rank)))
+    result["gather_axis0"] = strategy.gather(matrix, axis=0).numpy().tolist()
+    result["gather_axis1"] = strategy.gather(matrix, axis=1).numpy().tolist()
+
+    @tf.function
+    def replica_all_reduce():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            return ctx.all_reduce("SUM", tf.constant(float(rank + 1))), ctx.all_reduce(
+                "MEAN", tf.constant(float(rank + 1)))
+        return strategy.run(fn)
+
+    total, mean = replica_all_reduce()
+    result["replica_all_reduce_sum"] = float(total.numpy())
+    result["replica_all_reduce_mean"] = float(mean.numpy())
+
+    dataset = tf.data.Dataset.range(10).batch(4)
+    result["distributed_dataset"] = [b.numpy().tolist() for b in strategy.experimental_distribute_dataset(dataset)]
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.range(8).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.batch(ctx.get_per_replica_batch_size(4))
+
+    result["datasets_from_function"] = [
+        b.numpy().tolist() for b in strategy.distribute_datasets_from_function(dataset_fn)
+    ]
+    result["values_from_function"] = float(
+        strategy.experimental_distribute_values_from_function(lambda ctx: float(ctx.replica_id_in_sync_group))
+    )
+
+    # predict returns every row, in input order; evaluate reports global metrics.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(103, 5)).astype("float32")
+    y = rng.normal(size=(103, 1)).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    kernel, bias = model.get_weights()
+    expected = x @ kernel + bias
+    predicted = model.predict(x, batch_size=16, verbose=0)
+    result["predict_shape"] = list(predicted.shape)
+    result["predict_max_abs_error"] = float(np.max(np.abs(predicted - expected)))
+    loss, mae = model.evaluate(x, y, batch_size=16, verbose=0)
+    result["evaluate"] = [loss, mae]
+    result["evaluate_expected"] = [float(np.mean((expected - y) ** 2)), float(np.mean(np.abs(expected - y)))]
+    write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
