@@ -1,0 +1,175 @@
+"""Fast in-process tests: no horovodrun, one worker."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp import _compat, presets
+from tfdp.callbacks import LearningRateWarmup
+from tfdp.data import rank_rows, shard_global_batches
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_public_api_is_pinned():
+    assert sorted(tfdp.__all__) == [
+        "DistributedOptimizer", "MirroredStrategy", "callbacks", "init", "is_chief",
+        "local_rank", "preset_names", "rank", "size", "strategy",
+    ]
+    for name in tfdp.__all__:
+        assert hasattr(tfdp, name)
+
+
+def test_keras_hooks_are_where_tfdp_expects_them():
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.callbacks import callback_list
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+
+    _compat.install()
+    patched = [
+        base_optimizer.BaseOptimizer._clip_gradients,
+        tf_optimizer.TFOptimizer._all_reduce_sum_gradients,
+        loss_scale_optimizer.LossScaleOptimizer.apply,
+        tf_trainer.reduce_per_replica,
+        callback_list.CallbackList.__init__,
+    ]
+    for function in patched:
+        assert hasattr(function, "_tfdp_original"), function
+    # install() is idempotent: a second call does not wrap twice.
+    _compat.install()
+    assert not hasattr(base_optimizer.BaseOptimizer._clip_gradients._tfdp_original, "_tfdp_original")
+
+
+@pytest.mark.parametrize("n", range(0, 23))
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_rank_rows_partition_every_batch_in_order(n, size):
+    rows = []
+    for rank in range(size):
+        start, stop = rank_rows(n, rank, size)
+        rows.extend(range(start, stop))
+        assert stop - start in (n // size, n // size + 1)
+    assert rows == list(range(n))
+
+
+def test_shard_global_batches_keeps_structure():
+    ds = tf.data.Dataset.from_tensor_slices((np.arange(10), {"a": np.arange(10) * 2})).batch(4)
+    shards = [list(shard_global_batches(ds, rank, 2).as_numpy_iterator()) for rank in (0, 1)]
+    assert [x.tolist() for x, _ in shards[1]] == [[2, 3], [6, 7], [9]]
+    assert [d["a"].tolist() for _, d in shards[0]] == [[0, 2], [8, 10], [16]]
+
+
+def test_single_process_strategy_is_plain_keras():
+    x = np.random.default_rng(0).normal(size=(96, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(4)
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    strategy = tfdp.MirroredStrategy()
+    ours, plain = train(strategy), train(tf.distribute.get_strategy())
+    for a, b in zip(ours, plain):
+        np.testing.assert_array_equal(a, b)
+    stats = strategy.communication_stats()
+    assert stats["steps"] == 6 and stats["payload_bytes"] == 0  # one worker: nothing sent
+    assert stats["dense_bytes"] == 6 * (3 * 4 + 4 + 4 + 1) * 4
+
+
+# -- presets ----------------------------------------------------------------------
+
+
+def test_sync_preset_resolves_by_name_and_environment(monkeypatch):
+    assert "sync" in tfdp.preset_names()
+    assert isinstance(tfdp.strategy("sync"), tfdp.MirroredStrategy)
+    monkeypatch.setenv("TFDP_STRATEGY", "sync")
+    assert isinstance(tfdp.strategy(), tfdp.MirroredStrategy)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("description: x\nstrategy: mirrored\noptions: {}\nspeed: 11\n", "unknown keys ['speed']"),
+        ("description: x\nstrategy: mirrored\n", "missing key 'options'"),
+        ("description: x\nstrategy: mirrored\noptions: [1]\n", "'options' must be a dict"),
+        ("description: x\nstrategy: warp\noptions: {}\n", "unknown strategy 'warp'"),
+        ("description: [unclosed\n", "not valid YAML"),
+        ("- a list\n", "must be a mapping"),
+        ("!!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
+    ],
+)
+def test_invalid_presets_are_clear_errors(text, message):
+    with pytest.raises(ValueError, match=None) as err:
+        presets.parse_preset(text, source="test.yaml")
+    assert message in str(err.value) and "test.yaml" in str(err.value)
+
+
+def test_unknown_preset_lists_the_choices(monkeypatch):
+    monkeypatch.setenv("TFDP_STRATEGY", "nope")
+    with pytest.raises(ValueError, match=r"Unknown strategy preset 'nope'. Available presets: \[.*'sync'"):
+        tfdp.strategy()
+
+
+def test_presets_resolve_after_plain_pip_install(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(REPO)],
+        check=True, timeout=300, cwd=tmp_path,
+    )
+    code = "import tfdp, json; print(json.dumps(tfdp.preset_names())); print(tfdp.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(target), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    names, location = out.stdout.strip().splitlines()[-2:]
+    assert "sync" in names and location.startswith(str(target))
+
+
+def test_cli_lists_presets_and_rejects_unknown_ones(capsys):
+    from tfdp import cli
+
+    assert cli.main(["presets"]) == 0
+    assert capsys.readouterr().out.startswith("sync ")
+    assert cli.main(["run", "-np", "2", "--strategy", "nope", "x.py"]) == 2
+    assert "Unknown strategy preset 'nope'" in capsys.readouterr().err
+
+
+# -- optimizer wrapper and callbacks ------------------------------------------------
+
+
+def test_distributed_optimizer_returns_the_same_plain_optimizer():
+    optimizer = keras.optimizers.Adam(1e-3)
+    assert tfdp.DistributedOptimizer(optimizer) is optimizer
+    assert type(optimizer) is keras.optimizers.Adam
+    assert "tfdp" not in str(optimizer.get_config())
+    with pytest.raises(ValueError, match="already a tfdp.DistributedOptimizer"):
+        tfdp.DistributedOptimizer(optimizer)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"op": "max"}, "`op` must be one of"), ({"backward_passes_per_step": 0}, "must be an integer >= 1")],
+)
+def test_distributed_optimizer_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tfdp.DistributedOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_learning_rate_warmup_ramps_from_lr_over_size():
+    warmup = LearningRateWarmup(target_lr=0.8, warmup_epochs=2, steps_per_epoch=10)
+    warmup._size = 4
+    assert warmup.learning_rate_at(0, 0) == pytest.approx(0.2)
+    assert warmup.learning_rate_at(1, 0) == pytest.approx(0.5)
+    assert warmup.learning_rate_at(2, 0) == pytest.approx(0.8)
+    assert warmup.learning_rate_at(5, 3) == pytest.approx(0.8)

@@ -1,0 +1,45 @@
+"""Misbehave on purpose; the job must end quickly with a clear error on every rank.
+
+    --case different-model   rank 1 builds a wider layer
+    --case jit               compile(jit_compile=True)
+    --case extra-layer       rank 1 builds one more layer
+    --case die               rank 1 SIGKILLs itself during fit
+"""
+
+import argparse
+import os
+import signal
+
+from _common import rank
+
+import keras
+import numpy as np
+
+import tfdp
+
+
+class DieAtBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3 and rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True)
+    args = parser.parse_args()
+    strategy = tfdp.MirroredStrategy()
+    width = 13 if (args.case == "different-model" and rank() == 1) else 12
+    with strategy.scope():
+        layers = [keras.Input((4,)), keras.layers.Dense(width), keras.layers.Dense(1)]
+        if args.case == "extra-layer" and rank() == 1:
+            layers.append(keras.layers.Dense(1))
+        model = keras.Sequential(layers)
+        model.compile(optimizer="sgd", loss="mse", jit_compile=args.case == "jit")
+    x = np.ones((4096, 4), "float32")
+    callbacks = [DieAtBatch()] if args.case == "die" else []
+    model.fit(x, x[:, :1], batch_size=8, epochs=50, verbose=0, callbacks=callbacks)
+
+
+if __name__ == "__main__":
+    main()

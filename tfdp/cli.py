@@ -1,0 +1,65 @@
+"""The ``tfdp`` command line: a thin argparse layer over presets and horovodrun.
+
+    tfdp presets                                   list strategy presets
+    tfdp run -np 2 [--strategy P] script.py ...    horovodrun with preset P
+"""
+
+import argparse
+import os
+import shutil
+import sys
+
+from tfdp import presets
+
+
+def _list_presets(_args):
+    for name in presets.preset_names():
+        description = " ".join(presets.load_preset(name)["description"].split())
+        print(f"{name:<16} {description}")
+    return 0
+
+
+def _run(args, passthrough):
+    if args.strategy:
+        presets.load_preset(args.strategy)  # Fail here, once, not on every worker.
+        os.environ[presets.ENV_VAR] = args.strategy
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    command = [horovodrun, "-np", str(args.np), "-H", args.hosts or f"localhost:{args.np}"]
+    if not {"--gloo", "--mpi"} & set(passthrough):
+        command.append("--gloo")
+    scripts = [i for i, arg in enumerate(passthrough) if arg.endswith(".py")]
+    if scripts:  # Run the script with this Python, the one tfdp is installed in.
+        passthrough = [*passthrough[: scripts[0]], sys.executable, *passthrough[scripts[0]:]]
+    os.execv(command[0], command + passthrough)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="tfdp", description="Data-parallel Keras 3 training on Horovod.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("presets", help="list strategy presets").set_defaults(handler=_list_presets)
+    run = commands.add_parser(
+        "run", help="launch a script on N workers with horovodrun (other flags pass through)"
+    )
+    run.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
+    run.add_argument("-H", "--hosts", help="horovodrun host list (default localhost:NP)")
+    run.add_argument("--strategy", help="preset name, sets $TFDP_STRATEGY for the workers")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args, passthrough = parser.parse_known_args(argv)
+    try:
+        if args.command == "run":
+            if args.np < 1:
+                parser.error(f"-np must be >= 1. Received: -np {args.np}")
+            return _run(args, passthrough)
+        return args.handler(args)
+    except ValueError as err:
+        print(f"tfdp: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
