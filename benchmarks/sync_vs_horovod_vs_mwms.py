@@ -1,11 +1,13 @@
 """Steps/s of one model on 2 workers: tfdp.MirroredStrategy + fit, a hand-written
 Horovod loop, and tf.distribute.MultiWorkerMirroredStrategy + fit, side by side.
 
-Variants run one after another in rounds (order rotated every round) so machine
-noise hits all of them alike; each run's rate is its slower rank's median over
-repeats, and the table shows the median over rounds.
+This machine is shared and noisy (the same job varies by 30% between minutes), so the
+tfdp and Horovod variants alternate short timed blocks inside the same two worker
+processes: load drifts hit them alike, and the ratio is taken block by block. Each
+block's rate is the slower rank's. MWMS needs its own runtime, so it runs as a
+separate job right after.
 
-    .venv/bin/python benchmarks/sync_vs_horovod_vs_mwms.py [--rounds 5] [--steps 200]
+    .venv/bin/python benchmarks/sync_vs_horovod_vs_mwms.py [--blocks 20] [--steps 50]
 """
 
 import argparse
@@ -20,11 +22,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_sync_worker.py"
-VARIANTS = ["tfdp", "horovod-loop", "mwms"]
 LABELS = {
     "tfdp": "tfdp.MirroredStrategy + fit",
     "horovod-loop": "hand-written Horovod loop (grouped all-reduce)",
-    "mwms": "tf.distribute.MultiWorkerMirroredStrategy + fit (patched)",
+    "mwms": "tf.distribute.MultiWorkerMirroredStrategy + fit (patched for Keras 3)",
+    "horovod-fit": "diagnostic: Keras fit, hand-written Horovod train_step, local logs",
+    "tfdp-local-metrics": "tfdp.MirroredStrategy(global_step_logs=False) + fit",
+    "horovod-loop-metric": "diagnostic: Horovod loop + one scalar all-reduce per step",
 }
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TFDP_VERBOSE_WORKERS": "1"}
 
@@ -39,7 +43,7 @@ def free_ports(n):
     return ports
 
 
-def launch(variant, out, worker_args, timeout):
+def launch(variant, out, worker_args, timeout=1800):
     args = [sys.executable, str(WORKER), "--variant", variant, "--out", str(out), *worker_args]
     if variant == "mwms":
         hosts = [f"localhost:{p}" for p in free_ports(2)]
@@ -60,46 +64,49 @@ def launch(variant, out, worker_args, timeout):
         raise RuntimeError(f"{variant} failed:\n{run.stdout[-3000:]}")
 
 
-def job_rate(out, variant):
-    per_rank = [json.loads((out / f"{variant}-rank{r}.json").read_text())["steps_per_second"] for r in (0, 1)]
-    return min(statistics.median(rates) for rates in per_rank)
+def job_rates(out, variant):
+    """Per trainer: per-block steps/s of the slower rank."""
+    ranks = [json.loads((out / f"{variant}-rank{r}.json").read_text()) for r in (0, 1)]
+    return {name: [min(a, b) for a, b in zip(ranks[0][name], ranks[1][name])] for name in ranks[0]}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--blocks", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=50, help="steps per timed block")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--json", default=str(HERE / "results" / "sync.json"))
     args = parser.parse_args()
-    worker_args = ["--steps", args.steps, "--width", args.width, "--global-batch", args.global_batch]
-    worker_args = list(map(str, worker_args))
-
-    rates = {v: [] for v in VARIANTS}
+    worker_args = [str(a) for a in ("--steps", args.steps, "--repeats", args.blocks, "--width", args.width,
+                                    "--global-batch", args.global_batch)]
     with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            order = VARIANTS[round_ % 3:] + VARIANTS[: round_ % 3]
-            for variant in order:
-                out = Path(tmp) / f"{variant}-{round_}"
-                out.mkdir()
-                launch(variant, out, worker_args, timeout=900)
-                rates[variant].append(job_rate(out, variant))
-                print(f"round {round_ + 1}/{args.rounds} {variant:>13}: {rates[variant][-1]:6.1f} steps/s",
-                      file=sys.stderr, flush=True)
+        rates = {}
+        for variant in ("paired", "mwms"):
+            out = Path(tmp) / variant
+            out.mkdir()
+            print(f"running {variant} ...", file=sys.stderr, flush=True)
+            launch(variant, out, worker_args)
+            rates.update(job_rates(out, variant))
 
-    medians = {v: statistics.median(r) for v, r in rates.items()}
-    base = medians["horovod-loop"]
+    base = rates["horovod-loop"]
+    paired = [n for n in rates if n != "mwms"]
     params = 784 * args.width + args.width + args.width * args.width + args.width + args.width * 10 + 10
     print(f"\n2 workers, MLP 784-{args.width}-{args.width}-10 ({params:,} parameters), global batch "
-          f"{args.global_batch}, 1 TF thread per worker, Gloo on loopback; median of {args.rounds} rounds.\n")
-    print("| variant | steps/s (median) | ms/step | vs hand-written Horovod loop | all rounds |")
-    print("|---|---|---|---|---|")
-    for v in VARIANTS:
-        all_rounds = ", ".join(f"{r:.1f}" for r in rates[v])
-        print(f"| {LABELS[v]} | {medians[v]:.1f} | {1000 / medians[v]:.1f} | {medians[v] / base:.2f}x | {all_rounds} |")
+          f"{args.global_batch}, 1 TF thread per worker, Gloo on loopback. {args.blocks} blocks of "
+          f"{args.steps} steps; tfdp and Horovod variants alternate blocks in the same processes.\n")
+    print("| variant | steps/s (median) | ms/step | vs hand-written Horovod loop (median of per-block ratios) |")
+    print("|---|---|---|---|")
+    order = ["tfdp", "tfdp-local-metrics", "horovod-loop", "mwms", "horovod-fit", "horovod-loop-metric"]
+    for name in order:
+        median = statistics.median(rates[name])
+        if name in paired:
+            ratio = statistics.median(r / b for r, b in zip(rates[name], base))
+        else:  # Separate job: ratio of medians.
+            ratio = median / statistics.median(base)
+        print(f"| {LABELS[name]} | {median:.1f} | {1000 / median:.1f} | {ratio:.2f}x |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rates": rates, "medians": medians}, indent=1))
+    Path(args.json).write_text(json.dumps({"args": vars(args), "rates": rates}, indent=1))
 
 
 if __name__ == "__main__":

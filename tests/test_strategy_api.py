@@ -49,3 +49,14 @@ def test_predict_all_rows_in_order_and_global_evaluate(results):
         assert r["predict_max_abs_error"] < 1e-5
         assert r["evaluate"] == pytest.approx(r["evaluate_expected"], rel=1e-5)
     assert results[0]["evaluate"] == results[1]["evaluate"]
+
+
+def test_global_step_logs_option(results):
+    on = [r["global_step_logs=True"] for r in results]
+    off = [r["global_step_logs=False"] for r in results]
+    # Epoch logs are global either way; the training itself is the same.
+    assert on[0]["epoch"] == on[1]["epoch"] == off[0]["epoch"] == off[1]["epoch"]
+    # Batch logs: identical on every rank by default, each rank's own with False.
+    assert on[0]["batch"] == on[1]["batch"]
+    assert off[0]["batch"] != off[1]["batch"]
+    assert off[0]["batch"] != on[0]["batch"]

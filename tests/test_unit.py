@@ -173,3 +173,8 @@ def test_learning_rate_warmup_ramps_from_lr_over_size():
     assert warmup.learning_rate_at(1, 0) == pytest.approx(0.5)
     assert warmup.learning_rate_at(2, 0) == pytest.approx(0.8)
     assert warmup.learning_rate_at(5, 3) == pytest.approx(0.8)
+
+
+def test_strategy_rejects_non_bool_global_step_logs():
+    with pytest.raises(ValueError, match="`global_step_logs` must be True or False. Received: global_step_logs='no'"):
+        tfdp.MirroredStrategy(global_step_logs="no")

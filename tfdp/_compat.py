@@ -134,10 +134,7 @@ def _patch_callbacks():
                     callback._save_model = lambda: None
                     callback.on_train_end = lambda logs=None: None
                 kept.append(callback)
-            if isinstance(callbacks, callback_list.CallbackList):
-                callbacks.callbacks[:] = kept
-            else:
-                callbacks = kept
+            callbacks = kept
         original(self, callbacks, add_history=add_history, add_progbar=add_progbar,
                  model=model, **params)
 

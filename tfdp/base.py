@@ -42,9 +42,10 @@ def _describe_signature(row):
 class HorovodExtended(mirrored_strategy.MirroredExtended):
     """`tf.distribute` internals of the tfdp strategies: one local replica per Horovod worker."""
 
-    def __init__(self, container_strategy, communicator, gradient_reducer):
+    def __init__(self, container_strategy, communicator, gradient_reducer, global_step_logs=True):
         self.communicator = communicator
         self.gradient_reducer = gradient_reducer
+        self.global_step_logs = global_step_logs
         self._rank = communicator.rank
         self._size = communicator.size
         super().__init__(container_strategy, devices=["/cpu:0"])
@@ -128,22 +129,20 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
     def _local(self, value):
         if isinstance(value, tf_values.DistributedValues):
             value = value._values[0]  # The only local replica.
-        if isinstance(value, tf.IndexedSlices):
-            return tf.convert_to_tensor(value)
-        return tf.convert_to_tensor(value)
+        return tf.convert_to_tensor(value)  # Densifies IndexedSlices too.
+
+    def _all_reduce_structure(self, reduce_op, value):
+        flat = [self._local(v) for v in tf.nest.flatten(value)]
+        reduced = self.communicator.allreduce(flat, op=self._op_name(reduce_op))
+        return tf.nest.pack_sequence_as(value, reduced)
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
-        flat = [self._local(v) for v in tf.nest.flatten(value)]
-        reduced = self.communicator.allreduce(flat, op=self._op_name(reduce_op))
-        return tf.nest.pack_sequence_as(value, reduced)
+        return self._all_reduce_structure(reduce_op, value)
 
     def _reduce_to(self, reduce_op, value, destinations, options):
-        if tf_values.Mirrored is not None and isinstance(value, tf_values.Mirrored):
-            if self._op_name(reduce_op) == "average":
-                return self._local(value)
-        flat = [self._local(v) for v in tf.nest.flatten(value)]
-        reduced = self.communicator.allreduce(flat, op=self._op_name(reduce_op))
-        return tf.nest.pack_sequence_as(value, reduced)
+        if isinstance(value, tf_values.Mirrored) and self._op_name(reduce_op) == "average":
+            return self._local(value)  # Already the same on every worker.
+        return self._all_reduce_structure(reduce_op, value)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         flat = [self._local(v) for v, _ in value_destination_pairs]
@@ -164,7 +163,7 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
         """Make Keras step outputs global: metrics averaged, predictions gathered."""
         if reduction == "concat":
             return tf.nest.map_structure(self.communicator.allgather, values)
-        if reduction == "first":
+        if reduction == "first" or not self.global_step_logs:
             return values
         op = "sum" if reduction == "sum" else "average"
         flat = tf.nest.flatten(values)
@@ -203,10 +202,14 @@ class HorovodStrategy(distribute_lib.Strategy):
 
     _collective_key_base = 0  # Read by MirroredExtended.__init__; tfdp uses no TF collectives.
 
-    def __init__(self, make_reducer):
+    def __init__(self, make_reducer, global_step_logs=True):
         _compat.install()
+        if not isinstance(global_step_logs, bool):
+            raise ValueError(f"`global_step_logs` must be True or False. Received: global_step_logs={global_step_logs!r}")
         communicator = Communicator(CommunicationStats())
-        super().__init__(HorovodExtended(self, communicator, make_reducer(communicator)))
+        super().__init__(
+            HorovodExtended(self, communicator, make_reducer(communicator), global_step_logs)
+        )
         if communicator.size > 1:
             self._share_random_seed(communicator)
             if not self.extended.is_chief and os.environ.get(VERBOSE_WORKERS_ENV) != "1":

@@ -24,7 +24,11 @@ def _run(args, passthrough):
         presets.load_preset(args.strategy)  # Fail here, once, not on every worker.
         os.environ[presets.ENV_VAR] = args.strategy
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    # The horovodrun installed beside this Python, the one tfdp and its Horovod live in.
+    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    horovodrun = beside if os.path.exists(beside) else shutil.which("horovodrun")
+    if horovodrun is None:
+        raise ValueError("horovodrun not found. Install Horovod with `bash tools/setup_env.sh`.")
     command = [horovodrun, "-np", str(args.np), "-H", args.hosts or f"localhost:{args.np}"]
     if not {"--gloo", "--mpi"} & set(passthrough):
         command.append("--gloo")

@@ -71,6 +71,24 @@ def main():
     loss, mae = model.evaluate(x, y, batch_size=16, verbose=0)
     result["evaluate"] = [loss, mae]
     result["evaluate_expected"] = [float(np.mean((expected - y) ** 2)), float(np.mean(np.abs(expected - y)))]
+
+    class BatchLosses(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.losses = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.losses.append(float(logs["loss"]))
+
+    for global_step_logs in (True, False):
+        step_strategy = tfdp.MirroredStrategy(global_step_logs=global_step_logs)
+        keras.utils.set_random_seed(9)
+        with step_strategy.scope():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        batch_losses = BatchLosses()
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[batch_losses])
+        result[f"global_step_logs={global_step_logs}"] = {
+            "batch": batch_losses.losses, "epoch": history.history["loss"]}
     write_result(args.out, result)
 
 
