@@ -29,6 +29,13 @@ def test_reduce_and_all_reduce(results):
         assert (r["replica_all_reduce_sum"], r["replica_all_reduce_mean"]) == (3.0, 1.5)
 
 
+def test_unseeded_shuffle_partitions_the_data(results):
+    for r in results:
+        assert r["shuffled_rows_shared_seed"] == list(range(16))
+        # Control: with a different seed per rank the ranks' rows overlap.
+        assert r["shuffled_rows_own_seeds"] != list(range(16))
+
+
 def test_gather_in_rank_order(results):
     for r in results:
         assert r["gather_axis0"] == [[0.0], [0.0], [1.0], [1.0]]

@@ -16,9 +16,18 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    strategy = tfdp.MirroredStrategy()
+    strategy = tfdp.MirroredStrategy()  # No seed set: tfdp shares rank 0's.
     rank, size = tfdp.rank(), tfdp.size()
-    result = {"rank": rank, "size": size, "num_replicas_in_sync": strategy.num_replicas_in_sync}
+
+    def rows_seen_by_all_ranks():
+        shuffled = tf.data.Dataset.range(16).shuffle(16).batch(8)
+        mine = tf.concat(list(strategy.experimental_distribute_dataset(shuffled)), axis=0)
+        return sorted(strategy.gather(mine, axis=0).numpy().tolist())
+
+    result = {"shuffled_rows_shared_seed": rows_seen_by_all_ranks()}
+    tf.random.set_seed(100 + rank)  # Negative control: every rank its own permutation.
+    result["shuffled_rows_own_seeds"] = rows_seen_by_all_ranks()
+    result.update(rank=rank, size=size, num_replicas_in_sync=strategy.num_replicas_in_sync)
 
     per_rank = strategy.run(lambda: tf.constant([float(rank + 1), 10.0 * (rank + 1)]))
     result["local_results_len"] = len(strategy.experimental_local_results(per_rank))
