@@ -178,3 +178,15 @@ def test_learning_rate_warmup_ramps_from_lr_over_size():
 def test_strategy_rejects_non_bool_global_step_logs():
     with pytest.raises(ValueError, match="`global_step_logs` must be True or False. Received: global_step_logs='no'"):
         tfdp.MirroredStrategy(global_step_logs="no")
+
+
+@pytest.mark.multiprocess
+def test_tfdp_run_hands_the_preset_to_every_worker():
+    code = "import os; print('preset=' + os.environ['TFDP_STRATEGY'], os.environ['HOROVOD_RANK'])"
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "tfdp"), "run", "-np", "2", "--strategy", "sync", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert sorted(line.split(":", 1)[1] for line in out.stdout.splitlines() if "preset=" in line) == [
+        "preset=sync 0", "preset=sync 1"]
