@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_public_api_is_pinned():
     assert sorted(tfdp.__all__) == [
-        "DistributedOptimizer", "MirroredStrategy", "callbacks", "init", "is_chief",
+        "DistributedOptimizer", "MirroredStrategy", "callbacks", "compression", "init", "is_chief",
         "local_rank", "preset_names", "rank", "size", "strategy",
     ]
     for name in tfdp.__all__:

@@ -8,7 +8,7 @@ Change the strategy line, launch with ``horovodrun -np N``::
     model.fit(x, y, batch_size=64)          # global batch
 """
 
-from tfdp import callbacks
+from tfdp import callbacks, compression
 from tfdp.optimizer import DistributedOptimizer
 from tfdp.presets import preset_names, strategy
 from tfdp.runtime import init, is_chief, local_rank, rank, size
@@ -20,6 +20,7 @@ __all__ = [
     "DistributedOptimizer",
     "MirroredStrategy",
     "callbacks",
+    "compression",
     "init",
     "is_chief",
     "local_rank",
