@@ -54,5 +54,12 @@ def run_plain(script, args=(), timeout=240, env=None):
     return _run([sys.executable, str(WORKERS / script), *map(str, args)], timeout, env)
 
 
+def run_script(script, nworkers, args=(), timeout=240, env=None):
+    """Run `script` on `nworkers` under horovodrun, or as one plain process when 1."""
+    if nworkers > 1:
+        return run_workers(script, nworkers, args, timeout, env)
+    return run_plain(script, args, timeout, env)
+
+
 def assert_ok(run):
     assert run.returncode == 0, run.output[-6000:]

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import assert_ok, run_plain, run_workers
+from conftest import assert_ok, run_script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,7 +19,7 @@ def train(tmp_path, model, mode, nworkers):
     out = tmp_path / f"{model}-{mode}"
     out.mkdir()
     args = ["--model", model, "--mode", mode, "--out", out]
-    run = run_workers("equivalence.py", nworkers, args) if nworkers > 1 else run_plain("equivalence.py", args)
+    run = run_script("equivalence.py", nworkers, args)
     assert_ok(run)
     return run.results(out, nworkers)
 

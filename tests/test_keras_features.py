@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import QUIET_ENV, assert_ok, run_plain, run_workers
+from conftest import QUIET_ENV, assert_ok, run_script
 from test_equivalence import relative_differences
 
 pytestmark = pytest.mark.multiprocess
@@ -17,9 +17,10 @@ def train(tmp_path, mode, precision):
     out.mkdir()
     files.mkdir()
     args = ["--mode", mode, "--precision", precision, "--files", files, "--out", out]
-    run = run_workers("keras_features.py", 2, args) if mode == "tfdp" else run_plain("keras_features.py", args)
+    nworkers = 2 if mode == "tfdp" else 1
+    run = run_script("keras_features.py", nworkers, args)
     assert_ok(run)
-    return run.results(out, 2 if mode == "tfdp" else 1), files
+    return run.results(out, nworkers), files
 
 
 @pytest.fixture(scope="module")

@@ -145,8 +145,7 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
         return self._all_reduce_structure(reduce_op, value)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        flat = [self._local(v) for v, _ in value_destination_pairs]
-        return self.communicator.allreduce(flat, op=self._op_name(reduce_op))
+        return self._all_reduce_structure(reduce_op, [v for v, _ in value_destination_pairs])
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         local = self._local(value)

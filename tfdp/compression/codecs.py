@@ -62,6 +62,12 @@ def _k(n, ratio):
     return max(1, int(math.ceil(n * ratio)))
 
 
+def _scatter_dense(indices, values, shape, dtype):
+    """Dense tensor of `shape` with `values` at flat `indices` (repeated indices add up)."""
+    dense = tf.scatter_nd(indices[:, None], tf.cast(values, dtype), [shape.num_elements()])
+    return tf.reshape(dense, shape)
+
+
 class TopK:
     """Send the ``ratio`` fraction of entries with the largest magnitude, with int32 indices.
 
@@ -83,8 +89,7 @@ class TopK:
     def decompress(self, payload, ctx):
         shape, dtype = ctx
         values, indices = (tf.reshape(p, [-1]) for p in payload)  # All workers' pairs.
-        dense = tf.scatter_nd(indices[:, None], tf.cast(values, dtype), [shape.num_elements()])
-        return tf.reshape(dense, shape)
+        return _scatter_dense(indices, values, shape, dtype)
 
 
 class RandomK:
@@ -115,8 +120,7 @@ class RandomK:
 
     def decompress(self, payload, ctx):
         shape, dtype, indices = ctx
-        dense = tf.scatter_nd(indices[:, None], tf.cast(payload[0], dtype), [shape.num_elements()])
-        return tf.reshape(dense, shape)
+        return _scatter_dense(indices, payload[0], shape, dtype)
 
 
 class QSGD:
