@@ -32,7 +32,8 @@ def load_data(seed):
     return x_train, y_train, x_test, y_test
 
 
-def build_model(learning_rate):
+def build_model(learning_rate, optimizer=None):
+    """The conv net, compiled with `optimizer` (default: Adam at `learning_rate`)."""
     model = keras.Sequential(
         [
             keras.Input((8, 8, 1)),
@@ -44,7 +45,7 @@ def build_model(learning_rate):
         ]
     )
     model.compile(
-        optimizer=keras.optimizers.Adam(learning_rate),
+        optimizer=optimizer or keras.optimizers.Adam(learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )

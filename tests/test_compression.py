@@ -1,11 +1,19 @@
-"""Codecs and error feedback on their own, in-process (no strategy yet)."""
+"""Codecs, error feedback and the compressed reducer in one process (no horovodrun).
+
+At one worker every collective is the identity, so exchanges here show exactly what
+one worker's payload decompresses to.
+"""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tfdp import compression
-from tfdp.compression import QSGD, Cast, ErrorFeedback, RandomK, TopK
+import tfdp
+from tfdp.comm import CommunicationStats, Communicator
+from tfdp.compression import QSGD, Cast, EFSign, ErrorFeedback, PowerSGD, RandomK, TopK
+from tfdp.compression.codecs import pack_signs, unpack_signs
+from tfdp.compression.reducer import CompressedGradients
 
 
 def gradient(n=1000, seed=0):
@@ -100,6 +108,8 @@ def test_error_feedback_holds_exactly_what_was_not_sent():
         ("qsgd", {"levels": 0}, r"`levels` must be an integer in \[1, 127\]"),
         ("zip", {}, r"Unknown compressor 'zip'. Choose one of \["),
         ("fp16", {"ratio": 0.1}, r"Bad parameters for compressor 'fp16'"),
+        ("powersgd", {"rank": 0}, r"`rank` must be an integer >= 1. Received: rank=0"),
+        ("qsgd", {"levels": 128}, r"`levels` must be an integer in \[1, 127\]"),
     ],
 )
 def test_invalid_parameters_name_the_valid_range(name, params, message):
@@ -110,3 +120,104 @@ def test_invalid_parameters_name_the_valid_range(name, params, message):
 def test_cast_rejects_other_dtypes():
     with pytest.raises(ValueError, match="`dtype` must be 'float16' or 'bfloat16'"):
         Cast("int8")
+
+
+def test_sign_packing_round_trips_with_8_signs_per_byte():
+    x = tf.constant(np.random.default_rng(4).normal(size=37).astype("float32"))
+    packed = pack_signs(x)
+    assert packed.dtype == tf.uint8 and packed.shape == (5,)  # ceil(37 / 8)
+    np.testing.assert_array_equal(unpack_signs(packed, 37).numpy(), np.where(x.numpy() >= 0, 1.0, -1.0))
+
+
+def test_efsign_sends_scaled_signs_in_a_thirty_second_of_the_bytes():
+    x = gradient()
+    restored, payload = one_worker(EFSign(), x)
+    scale = np.mean(np.abs(x.numpy()))
+    np.testing.assert_allclose(restored.numpy(), np.where(x.numpy() >= 0, scale, -scale), rtol=1e-6)
+    assert sum(p.numpy().nbytes for p in payload) == 4 + 1000 // 8
+
+
+def test_efsign_sums_gathered_workers():
+    a, b = gradient(seed=1), gradient(seed=2)
+    codec = EFSign()
+    (pa, ctx), (pb, _) = codec.compress(a, 0), codec.compress(b, 0)
+    both = codec.decompress([tf.stack([x, y]) for x, y in zip(pa, pb)], ctx)
+    np.testing.assert_allclose(both.numpy(), (one_worker(codec, a)[0] + one_worker(codec, b)[0]).numpy(),
+                               rtol=1e-6)
+
+
+def one_worker_communicator():
+    return Communicator(CommunicationStats())
+
+
+def test_powersgd_is_exact_on_a_matrix_of_its_rank_and_warm_starts():
+    rng = np.random.default_rng(5)
+    low_rank = tf.constant((rng.normal(size=(64, 2)) @ rng.normal(size=(2, 48))).astype("float32"))
+    bias = tf.constant(rng.normal(size=48).astype("float32"))
+    codec = PowerSGD(rank=2)
+    q0 = codec._warm_q("w", 48).numpy()
+    summed, sent = codec.exchange([low_rank, bias], ["w", "b"], 0, one_worker_communicator())
+    np.testing.assert_allclose(summed[0].numpy(), low_rank.numpy(), atol=1e-4)
+    np.testing.assert_array_equal(summed[1].numpy(), bias.numpy())  # Vectors go dense.
+    np.testing.assert_allclose(sent[0].numpy(), summed[0].numpy(), atol=1e-5)  # One worker.
+    assert codec.payload_bytes(low_rank.shape) == (64 + 48) * 2 * 4
+    assert codec.payload_bytes(bias.shape) == 48 * 4
+    # Warm start: the Q kept for the next step is M^T orth(M Q0).
+    p_orth = np.linalg.qr(low_rank.numpy() @ q0)[0]
+    np.testing.assert_allclose(np.abs(codec._q["w"].numpy()), np.abs(low_rank.numpy().T @ p_orth), rtol=1e-4, atol=1e-4)
+
+
+def test_powersgd_error_shrinks_over_steps_on_a_fixed_matrix():
+    # Power iteration: with a warm-started Q the rank-2 approximation of a fixed
+    # full-rank matrix approaches the best rank-2 one (the truncated SVD).
+    m = tf.constant(np.random.default_rng(6).normal(size=(40, 30)).astype("float32"))
+    codec, errors = PowerSGD(rank=2), []
+    for step in range(30):
+        summed, _ = codec.exchange([m], ["w"], step, one_worker_communicator())
+        errors.append(float(tf.norm(m - summed[0])))
+    u, s, vt = np.linalg.svd(m.numpy())
+    best = np.linalg.norm(m.numpy() - (u[:, :2] * s[:2]) @ vt[:2])
+    assert errors[-1] < errors[0]
+    assert errors[-1] <= best * 1.01
+
+
+def test_reducer_error_feedback_sends_everything_eventually():
+    # A constant gradient under top-k with error feedback: every entry is delivered
+    # within n / k steps, so the average delivered gradient approaches the gradient.
+    x = gradient(100)
+    reducer = CompressedGradients(one_worker_communicator(), TopK(ratio=0.1), error_feedback=True,
+                                  min_compress_bytes=0)
+    delivered = [reducer([x])[0].numpy() for _ in range(50)]
+    np.testing.assert_allclose(np.mean(delivered, axis=0), x.numpy(), atol=np.abs(x.numpy()).max() * 0.25)
+    without = CompressedGradients(one_worker_communicator(), TopK(ratio=0.1), error_feedback=False,
+                                  min_compress_bytes=0)
+    dropped = np.mean([without([x])[0].numpy() for _ in range(50)], axis=0)
+    assert np.count_nonzero(dropped) == 10  # Negative control: the same 10 entries forever.
+
+
+def test_reducer_warmup_is_dense_then_compressed_and_small_tensors_stay_dense():
+    x, bias = gradient(1000), tf.constant(np.arange(1.0, 11.0, dtype="float32"))
+    reducer = CompressedGradients(one_worker_communicator(), TopK(ratio=0.01), error_feedback=False,
+                                  warmup_steps=2, min_compress_bytes=1024)
+    for _ in range(2):
+        dense, dense_bias = reducer([x, bias])
+        np.testing.assert_array_equal(dense.numpy(), x.numpy())
+    sparse, sparse_bias = reducer([x, bias])
+    assert np.count_nonzero(sparse.numpy()) == 10
+    np.testing.assert_array_equal(sparse_bias.numpy(), bias.numpy())  # 40 bytes < 1024: dense.
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"compressor": "zip"}, r"Unknown compressor 'zip'"),
+        ({"compressor": 3}, r"`compressor` must be a name such as 'topk'"),
+        ({"compressor": {"name": "topk", "ratio": -1}}, r"`ratio` must be in \(0, 1\]"),
+        ({"compressor": "randomk"}, r"Pass error_feedback=False with randomk"),
+        ({"compressor": "fp16", "warmup_steps": -1}, r"`warmup_steps` must be an integer >= 0"),
+        ({"compressor": "fp16", "error_feedback": "yes"}, r"`error_feedback` must be True or False"),
+    ],
+)
+def test_compressed_strategy_rejects_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tfdp.CompressedStrategy(**kwargs)

@@ -13,10 +13,12 @@ from tfdp.optimizer import DistributedOptimizer
 from tfdp.presets import preset_names, strategy
 from tfdp.runtime import init, is_chief, local_rank, rank, size
 from tfdp.mirrored import MirroredStrategy
+from tfdp.compressed import CompressedStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompressedStrategy",
     "DistributedOptimizer",
     "MirroredStrategy",
     "callbacks",

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfdp.comm import CommunicationStats, Communicator
 
-__all__ = ["BroadcastGlobalVariables", "MetricAverage", "LearningRateWarmup"]
+__all__ = ["BroadcastGlobalVariables", "CommunicationLogger", "MetricAverage", "LearningRateWarmup"]
 
 
 def _communicator():
@@ -94,3 +94,68 @@ class LearningRateWarmup(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self._epoch < self.warmup_epochs:
             self.model.optimizer.learning_rate.assign(self.learning_rate_at(self._epoch, batch))
+
+
+def _stats_source(model):
+    for owner in (model.distribute_strategy, model.optimizer):
+        if callable(getattr(owner, "communication_stats", None)):
+            return owner.communication_stats
+    raise ValueError(
+        "CommunicationLogger needs a tfdp strategy (model built under its scope) or a "
+        "tfdp.DistributedOptimizer; this model has neither."
+    )
+
+
+class CommunicationLogger(keras.callbacks.Callback):
+    """Add gradient traffic per step to each epoch's logs, and to TensorBoard.
+
+    Adds to the epoch logs (and so to ``History``): ``gradient_bytes_per_step`` (bytes of
+    gradient payload this worker handed to collectives), ``dense_bytes_per_step`` (what
+    float32 all-reduce would have sent) and ``compression_ratio`` (their ratio), averaged
+    over the epoch's steps. With `log_dir`, rank 0 also writes them as TensorBoard
+    scalars under ``communication/``.
+
+    Example:
+        >>> history = model.fit(x, y, callbacks=[tfdp.callbacks.CommunicationLogger("logs")])
+        >>> history.history["compression_ratio"]
+    """
+
+    def __init__(self, log_dir=None):
+        super().__init__()
+        self.log_dir = log_dir
+        self._writer = None
+        self._start = None
+
+    def on_train_begin(self, logs=None):
+        self._read = _stats_source(self.model)
+        if self.log_dir is not None and self._is_chief():
+            self._writer = tf.summary.create_file_writer(str(self.log_dir))
+
+    def _is_chief(self):
+        return getattr(self.model.distribute_strategy, "is_chief", True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = self._read()
+
+    def on_epoch_end(self, epoch, logs=None):
+        now = self._read()
+        steps = now["steps"] - self._start["steps"]
+        if steps <= 0 or logs is None:
+            return
+        sent = (now["gradient_bytes"] - self._start["gradient_bytes"]) / steps
+        dense = (now["dense_bytes"] - self._start["dense_bytes"]) / steps
+        values = {
+            "gradient_bytes_per_step": sent,
+            "dense_bytes_per_step": dense,
+            "compression_ratio": dense / sent if sent else float("nan"),  # nothing sent: one worker
+        }
+        logs.update(values)
+        if self._writer is not None:
+            with self._writer.as_default():
+                for name, value in values.items():
+                    tf.summary.scalar(f"communication/{name}", value, step=epoch)
+            self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()

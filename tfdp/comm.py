@@ -7,25 +7,25 @@ Everything tfdp exchanges between workers goes through a `Communicator`, so
 import tensorflow as tf
 
 from tfdp._horovod import horovod
+from tfdp._state import local_variable
 
 
 class CommunicationStats:
     """Counters of what this worker handed to collectives.
 
     They are `tf.Variable`s so that steps running inside `tf.function` update them.
-    `payload_bytes` counts every byte handed to a collective; `dense_bytes` counts
-    what the same gradients would have taken as float32 all-reduce.
+    `payload_bytes` counts every byte handed to a collective (gradients, metrics,
+    initial broadcasts); `gradient_bytes` the part of it that carried gradients
+    (payloads, indices, scales and norms); `dense_bytes` what the same gradients
+    would have taken as float32 all-reduce.
     """
 
-    FIELDS = ("steps", "collectives", "payload_bytes", "dense_bytes", "rounds")
+    FIELDS = ("steps", "collectives", "payload_bytes", "gradient_bytes", "dense_bytes", "rounds")
 
     def __init__(self):
-        # Created outside any strategy scope: plain per-process counters, never mirrored.
-        with tf.init_scope(), tf.device("/cpu:0"):
-            self._vars = {
-                name: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"tfdp_{name}")
-                for name in self.FIELDS
-            }
+        self._vars = {
+            name: local_variable(tf.constant(0, tf.int64), f"tfdp_{name}") for name in self.FIELDS
+        }
 
     def add(self, name, amount):
         """Add `amount` (a Python int or an integer tensor) to counter `name`."""
@@ -68,22 +68,45 @@ class Communicator:
     def size(self):
         return self._hvd.size()
 
-    def _count(self, tensors):
+    def _count(self, tensors, gradients=False):
         if not tensors:
             return
         self.stats.add("collectives", 1)
-        self.stats.add("payload_bytes", tf.add_n([nbytes(t) for t in tensors]))
+        total = tf.add_n([nbytes(t) for t in tensors])
+        self.stats.add("payload_bytes", total)
+        if gradients:
+            self.stats.add("gradient_bytes", total)
 
-    def allreduce(self, tensors, op="sum"):
-        """Sum or average a list of tensors across workers in one fused collective."""
+    def allreduce(self, tensors, op="sum", gradients=False):
+        """Sum or average a list of tensors across workers in one fused collective.
+
+        ``gradients=True`` also counts the bytes as gradient traffic.
+        """
         if op not in ("sum", "average"):
             raise ValueError(f"`op` must be 'sum' or 'average'. Received: op={op!r}")
         tensors = list(tensors)
         if self.size == 1 or not tensors:
             return tensors
         hvd_op = self._hvd.Sum if op == "sum" else self._hvd.Average
-        self._count(tensors)
+        self._count(tensors, gradients)
         return list(self._hvd.grouped_allreduce(tensors, op=hvd_op))
+
+    def allgather_stacked(self, tensors, gradients=False):
+        """Gather each tensor from every worker into a new leading axis of workers.
+
+        One grouped collective per dtype (Horovod groups only tensors of one dtype).
+        """
+        tensors = [t[None] for t in tensors]
+        if self.size == 1 or not tensors:
+            return tensors
+        gathered = [None] * len(tensors)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            chosen = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            group = [tensors[i] for i in chosen]
+            self._count(group, gradients)
+            for i, result in zip(chosen, self._hvd.grouped_allgather(group)):
+                gathered[i] = result
+        return gathered
 
     def allgather(self, tensor):
         """Concatenate `tensor` from every worker along axis 0, in rank order."""

@@ -2,12 +2,15 @@
 
 from tfdp import _compat
 from tfdp.comm import CommunicationStats, Communicator
+from tfdp.compressed import compression_reducer_factory
+from tfdp.compression.reducer import DEFAULT_MIN_COMPRESS_BYTES
 from tfdp.reducers import AllReduceGradients
 
 _OPS = ("average", "sum")
 
 
-def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1):  # noqa: N802 (Horovod's name)
+def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  # noqa: N802 (Horovod's name)
+                         compression=None, error_feedback=True):
     """Make `optimizer` average its gradients across Horovod workers before each update.
 
     For custom training loops and for `fit` without a tfdp strategy. The optimizer
@@ -22,16 +25,22 @@ def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1):  
         op: ``"average"`` (the usual choice with per-worker losses) or ``"sum"``.
         backward_passes_per_step: accumulate this many local gradients before one
             exchange (uses Keras's ``gradient_accumulation_steps``).
+        compression: None for float32 all-reduce, or a compressor as accepted by
+            `tfdp.CompressedStrategy` (``"fp16"``, ``{"name": "topk", "ratio":
+            0.01}``, a `tfdp.compression` codec).
+        error_feedback: with `compression`, keep what compression dropped and send
+            it later (False for randomk).
 
     Returns:
         `optimizer`, with ``optimizer.communication_stats()`` added.
 
     Raises:
-        ValueError: bad `op` or `backward_passes_per_step`.
+        ValueError: bad `op`, `backward_passes_per_step` or compression options.
 
     Example:
         >>> opt = tfdp.DistributedOptimizer(keras.optimizers.SGD(0.1))
         >>> opt.apply(grads, model.trainable_variables)
+        >>> opt = tfdp.DistributedOptimizer(keras.optimizers.Adam(), compression="fp16")
     """
     if op not in _OPS:
         raise ValueError(f"`op` must be one of {_OPS}. Received: op={op!r}")
@@ -49,9 +58,15 @@ def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1):  
                 "and has no `gradient_accumulation_steps` of its own."
             )
         optimizer.gradient_accumulation_steps = backward_passes_per_step
+    if compression is None:
+        make_reducer = lambda communicator: AllReduceGradients(communicator, op=op)  # noqa: E731
+    else:
+        make_reducer = compression_reducer_factory(
+            compression, error_feedback, warmup_steps=0,
+            min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, op=op)
     _compat.install()
     stats = CommunicationStats()
-    reducer = AllReduceGradients(Communicator(stats), op=op)
+    reducer = make_reducer(Communicator(stats))
     # object.__setattr__: Keras's auto-tracking must not adopt tfdp's counters as
     # optimizer state (they would end up in checkpoints).
     object.__setattr__(optimizer, "_tfdp_gradient_reducer", reducer)

@@ -21,9 +21,10 @@ PRESET_KEYS = {"description": str, "strategy": str, "options": dict}
 
 
 def _strategy_classes():
+    from tfdp.compressed import CompressedStrategy
     from tfdp.mirrored import MirroredStrategy
 
-    return {"mirrored": MirroredStrategy}
+    return {"mirrored": MirroredStrategy, "compressed": CompressedStrategy}
 
 
 def _preset_files():

@@ -9,7 +9,7 @@ import tensorflow as tf
 from tfdp.comm import float32_bytes
 
 
-def _densify(grad):
+def densify(grad):
     # Horovod would all-gather IndexedSlices; a dense all-reduce keeps one code path
     # and is what float32 accounting assumes.
     if isinstance(grad, tf.IndexedSlices):
@@ -37,12 +37,12 @@ class AllReduceGradients:
         self.op = op
 
     def __call__(self, grads):
-        grads = [None if g is None else _densify(g) for g in grads]
+        grads = [None if g is None else densify(g) for g in grads]
         present = [g for g in grads if g is not None]
         stats = self.communicator.stats
         stats.add("steps", 1)
         stats.add("rounds", 1)
         if present:
             stats.add("dense_bytes", tf.add_n([float32_bytes(g) for g in present]))
-        reduced = iter(self.communicator.allreduce(present, op=self.op))
+        reduced = iter(self.communicator.allreduce(present, op=self.op, gradients=True))
         return [None if g is None else next(reduced) for g in grads]

@@ -1,9 +1,13 @@
-"""Stateless gradient codecs: ``compress(x, step) -> (payload, ctx)``, ``decompress``.
+"""Gradient codecs: ``compress(x, step) -> (payload, ctx)``, ``decompress``, ``exchange``.
 
 A codec declares how its payloads travel. ``summable`` payloads are summed across
 workers by all-reduce and `decompress` turns the sum into a tensor. Other payloads are
 all-gathered, each tensor with a leading axis of workers; `decompress` then receives
 that stacked payload and returns the sum of every worker's tensor.
+
+`Codec.exchange` runs the whole round for a list of gradients (one grouped collective
+per payload dtype) and also returns what this worker sent, which error feedback needs.
+Codecs whose exchange takes more than one round (PowerSGD) override it.
 
 Example:
     >>> codec = TopK(ratio=0.01)
@@ -22,7 +26,37 @@ def _check_ratio(ratio):
     return float(ratio)
 
 
-class Identity:
+class Codec:
+    """Base of all codecs: subclasses define `compress`, `decompress` and `summable`."""
+
+    name = "codec"
+    summable = True
+
+    def own(self, payload):
+        """Shape `payload` as the exchange would deliver it if this worker were alone."""
+        return list(payload) if self.summable else [p[None] for p in payload]
+
+    def exchange(self, tensors, keys, step, communicator):
+        """Exchange `tensors` (this worker's gradients, one per key) with every worker.
+
+        Returns:
+            (summed, sent): the sum over workers of the decompressed gradients, and what
+            this worker's payload decompresses to on its own.
+        """
+        del keys  # Stateless: nothing is kept per variable.
+        compressed = [self.compress(t, step) for t in tensors]
+        sent = [self.decompress(self.own(p), ctx) for p, ctx in compressed]
+        flat = [p for payload, _ in compressed for p in payload]
+        if self.summable:
+            delivered = communicator.allreduce(flat, op="sum", gradients=True)
+        else:
+            delivered = communicator.allgather_stacked(flat, gradients=True)
+        delivered = iter(delivered)
+        summed = [self.decompress([next(delivered) for _ in payload], ctx) for payload, ctx in compressed]
+        return summed, sent
+
+
+class Identity(Codec):
     """Send float32 gradients unchanged (the reference every codec is measured against)."""
 
     name = "none"
@@ -35,27 +69,31 @@ class Identity:
         return tf.cast(payload[0], ctx)
 
 
-class Cast:
+class Cast(Codec):
     """Send gradients as a 16-bit float (``float16`` or ``bfloat16``): 2x fewer bytes.
 
-    float16 keeps 11 significant bits but overflows above 65504; bfloat16 keeps float32's
-    range with 8 significant bits. Sums run in the 16-bit type, as Horovod's fp16
-    compression does.
+    float16 keeps 11 significant bits but overflows above 65504; float16 payloads are
+    summed in float16, as Horovod's fp16 compression does. bfloat16 keeps float32's
+    range with 8 significant bits; Horovod cannot all-reduce it, so bfloat16 payloads
+    travel as their 16-bit patterns by all-gather and are summed in float32.
     """
-
-    summable = True
 
     def __init__(self, dtype):
         if dtype not in ("float16", "bfloat16"):
             raise ValueError(f"`dtype` must be 'float16' or 'bfloat16'. Received: dtype={dtype!r}")
         self.dtype = tf.as_dtype(dtype)
         self.name = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+        self.summable = dtype == "float16"
 
     def compress(self, x, step):
-        return [tf.cast(x, self.dtype)], x.dtype
+        half = tf.cast(x, self.dtype)
+        return [half if self.summable else tf.bitcast(half, tf.uint16)], x.dtype
 
     def decompress(self, payload, ctx):
-        return tf.cast(payload[0], ctx)
+        if self.summable:
+            return tf.cast(payload[0], ctx)
+        per_worker = tf.cast(tf.bitcast(payload[0], self.dtype), tf.float32)
+        return tf.cast(tf.reduce_sum(per_worker, axis=0), ctx)
 
 
 def _k(n, ratio):
@@ -68,7 +106,7 @@ def _scatter_dense(indices, values, shape, dtype):
     return tf.reshape(dense, shape)
 
 
-class TopK:
+class TopK(Codec):
     """Send the ``ratio`` fraction of entries with the largest magnitude, with int32 indices.
 
     Biased: use it with error feedback (Stich et al., https://arxiv.org/abs/1809.07599),
@@ -92,7 +130,7 @@ class TopK:
         return _scatter_dense(indices, values, shape, dtype)
 
 
-class RandomK:
+class RandomK(Codec):
     """Send a random ``ratio`` fraction of entries, scaled by 1/ratio so the estimate is unbiased.
 
     Every worker draws the same indices from (`seed`, step), so only values travel and
@@ -123,7 +161,7 @@ class RandomK:
         return _scatter_dense(indices, payload[0], shape, dtype)
 
 
-class QSGD:
+class QSGD(Codec):
     """Stochastic quantisation to ``levels`` magnitudes of the vector norm, int8 payload.
 
     Unbiased; the error of each entry is at most norm/levels
@@ -153,4 +191,47 @@ class QSGD:
         shape, dtype = ctx
         norms, quantised = payload  # [workers, 1], [workers, n]
         per_worker = tf.cast(quantised, tf.float32) * norms / self.levels
+        return tf.cast(tf.reshape(tf.reduce_sum(per_worker, axis=0), shape), dtype)
+
+
+_BIT_WEIGHTS = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.int32)
+
+
+def pack_signs(x):
+    """Pack the signs of `x` (1 for >= 0) into uint8, 8 per byte, zero-padded."""
+    flat = tf.reshape(x, [-1])
+    n = int(flat.shape[0])
+    bits = tf.cast(flat >= 0, tf.int32)
+    bits = tf.pad(bits, [[0, -n % 8]])
+    return tf.cast(tf.reduce_sum(tf.reshape(bits, [-1, 8]) * _BIT_WEIGHTS, axis=1), tf.uint8)
+
+
+def unpack_signs(packed, n):
+    """Inverse of `pack_signs` over the last axis: +1/-1 float32, `n` entries."""
+    shifts = tf.constant([7, 6, 5, 4, 3, 2, 1, 0], tf.uint8)
+    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[..., None], shifts), 1)
+    bits = tf.reshape(bits, tf.concat([tf.shape(packed)[:-1], [-1]], 0))[..., :n]
+    return tf.cast(bits, tf.float32) * 2.0 - 1.0
+
+
+class EFSign(Codec):
+    """Send the sign of each entry (1 bit) and one scale, the mean magnitude: ~32x fewer bytes.
+
+    Biased on its own; with error feedback it converges like SGD (Karimireddy et al.,
+    https://arxiv.org/abs/1901.09847), so `tfdp.CompressedStrategy` keeps error
+    feedback on for it.
+    """
+
+    name = "efsign"
+    summable = False
+
+    def compress(self, x, step):
+        flat = tf.reshape(tf.cast(x, tf.float32), [-1])
+        scale = tf.reduce_mean(tf.abs(flat))
+        return [tf.reshape(scale, [1]), pack_signs(flat)], (x.shape, x.dtype)
+
+    def decompress(self, payload, ctx):
+        shape, dtype = ctx
+        scales, packed = payload  # [workers, 1], [workers, ceil(n / 8)]
+        per_worker = unpack_signs(packed, shape.num_elements()) * scales
         return tf.cast(tf.reshape(tf.reduce_sum(per_worker, axis=0), shape), dtype)

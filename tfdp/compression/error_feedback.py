@@ -6,6 +6,8 @@ path, so it follows the variable, not its position in a list.
 
 import tensorflow as tf
 
+from tfdp._state import local_variable
+
 
 class ErrorFeedback:
     """Per-variable residual memory.
@@ -22,9 +24,8 @@ class ErrorFeedback:
 
     def _residual(self, key, like):
         if key not in self._residuals:
-            with tf.init_scope():
-                self._residuals[key] = tf.Variable(
-                    tf.zeros(like.shape, like.dtype), trainable=False, name=f"residual/{key}")
+            self._residuals[key] = local_variable(
+                lambda: tf.zeros(like.shape, like.dtype), f"residual_{key}")
         return self._residuals[key]
 
     def compensate(self, key, grad):

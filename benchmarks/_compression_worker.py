@@ -1,0 +1,104 @@
+"""Train the digits model once per (compressor, seed) inside one set of workers.
+
+Run under horovodrun (or alone). For every run, rank r appends to ``<out>/rank<r>.json``
+the test accuracy, median seconds per step (wall time of each epoch / its steps),
+gradient bytes per step and dense bytes per step. Used by
+``benchmarks/compression.py`` and by ``tests/test_compression_convergence.py``.
+
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/_compression_worker.py \
+        --out /tmp/c --optimizer adam --seeds 0 1 2 --configs sync fp16 topk-1pct
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import keras  # noqa: E402
+
+import tfdp  # noqa: E402
+from digits import build_model, load_data  # noqa: E402
+
+# name -> CompressedStrategy options (None: tfdp.MirroredStrategy, the baseline).
+CONFIGS = {
+    "sync": None,
+    "fp16": {"compressor": "fp16"},
+    "bf16": {"compressor": "bf16"},
+    "topk-1pct": {"compressor": {"name": "topk", "ratio": 0.01}},
+    "qsgd": {"compressor": {"name": "qsgd", "levels": 64}, "error_feedback": False},
+    "efsign": {"compressor": "efsign"},
+    "powersgd-r2": {"compressor": {"name": "powersgd", "rank": 2}, "warmup_steps": 20},
+    "powersgd-r4": {"compressor": {"name": "powersgd", "rank": 4}, "warmup_steps": 20},
+    "randomk-10pct": {"compressor": {"name": "randomk", "ratio": 0.1}, "error_feedback": False},
+    # Negative control: far too sparse and nothing remembered; must fall outside the band.
+    "topk-0.1pct-no-ef": {"compressor": {"name": "topk", "ratio": 0.001}, "error_feedback": False},
+}
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(2e-3),
+    "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+}
+
+
+class EpochTimer(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def train_once(config, optimizer, seed, epochs, batch_size):
+    keras.utils.set_random_seed(seed)
+    x_train, y_train, x_test, y_test = load_data(seed)
+    options = CONFIGS[config]
+    strategy = tfdp.MirroredStrategy() if options is None else tfdp.CompressedStrategy(**options)
+    with strategy.scope():
+        model = build_model(None, optimizer=OPTIMIZERS[optimizer]())
+    timer = EpochTimer()
+    logger = tfdp.callbacks.CommunicationLogger()
+    history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, verbose=0,
+                        callbacks=[timer, logger])
+    _, accuracy = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
+    steps_per_epoch = -(-len(x_train) // batch_size)
+    # The first epoch includes tracing; the median of the rest is the steady state.
+    seconds = timer.seconds[1:] or timer.seconds
+    return {
+        "config": config, "optimizer": optimizer, "seed": seed, "accuracy": float(accuracy),
+        "seconds_per_step": statistics.median(seconds) / steps_per_epoch,
+        "gradient_bytes_per_step": history.history["gradient_bytes_per_step"][-1],
+        "dense_bytes_per_step": history.history["dense_bytes_per_step"][-1],
+        "final_loss": history.history["loss"][-1],
+        "weights_checksum": float(sum(abs(w).sum() for w in model.get_weights())),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args()
+
+    path = Path(args.out) / f"rank{os.environ.get('HOROVOD_RANK', '0')}.json"
+    results = []
+    for seed in args.seeds:
+        for config in args.configs:
+            results.append(train_once(config, args.optimizer, seed, args.epochs, args.batch_size))
+            path.write_text(json.dumps(results))  # Partial results survive a timeout.
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
