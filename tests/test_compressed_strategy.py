@@ -36,7 +36,7 @@ def expected_bytes(name, shape):
     if name == "qsgd":
         return 4 + n  # norm + int8 levels
     if name == "efsign":
-        return 4 + math.ceil(n / 8)  # scale + packed signs
+        return math.ceil(n / 8) + 4 * math.ceil(n / 256)  # packed signs + one scale per 256
     if name == "powersgd":
         if len(shape) < 2:
             return 4 * n
@@ -73,15 +73,20 @@ def test_gradient_bytes_are_what_the_shapes_say(results, name):
         assert case["history"]["dense_bytes_per_step"] == [dense]
 
 
-@pytest.mark.parametrize("name, at_least", [("fp16", 1.8), ("bf16", 1.8), ("topk", 45), ("efsign", 28.8)])
-def test_compression_ratio_meets_its_nominal_bound(results, name, at_least):
-    # Nominal: 2x for 16-bit, 50x for top-1% with int32 indices, 32x for 1-bit signs.
+# Nominal ratios: 2x for 16-bit, 50x for top-1% with int32 indices, 28.4x for 1-bit signs
+# with one float32 scale per 256 entries. Issue 3 asks for >= 0.9 x nominal, and at
+# least 45x for top-k 1% and 25x for efsign.
+NOMINAL = {"fp16": 2.0, "bf16": 2.0, "topk": 50.0, "efsign": 1024 / 36}
+ABSOLUTE = {"topk": 45.0, "efsign": 25.0}
+
+
+@pytest.mark.parametrize("name", sorted(NOMINAL))
+def test_compression_ratio_meets_its_nominal_bound(results, name):
     _, ranks = results
     ratio = ranks[0][name]["history"]["compression_ratio"][0]
-    assert ratio >= at_least, ratio
-    if name == "topk":
-        # Negative control of the check itself: dense sends 1x, far below 45x.
-        assert ranks[0]["none"]["history"]["compression_ratio"][0] == 1.0
+    assert ratio >= max(0.9 * NOMINAL[name], ABSOLUTE.get(name, 0)), ratio
+    # Negative control of the check itself: dense float32 is 1x, below every bound.
+    assert ranks[0]["none"]["history"]["compression_ratio"][0] == 1.0
 
 
 @pytest.mark.parametrize("name", ["none", "fp16", "bf16", "topk", "randomk", "qsgd", "efsign", "powersgd"])

@@ -110,6 +110,7 @@ def test_error_feedback_holds_exactly_what_was_not_sent():
         ("fp16", {"ratio": 0.1}, r"Bad parameters for compressor 'fp16'"),
         ("powersgd", {"rank": 0}, r"`rank` must be an integer >= 1. Received: rank=0"),
         ("qsgd", {"levels": 128}, r"`levels` must be an integer in \[1, 127\]"),
+        ("efsign", {"block": 12}, r"`block` must be None or a multiple of 8"),
     ],
 )
 def test_invalid_parameters_name_the_valid_range(name, params, message):
@@ -129,12 +130,15 @@ def test_sign_packing_round_trips_with_8_signs_per_byte():
     np.testing.assert_array_equal(unpack_signs(packed, 37).numpy(), np.where(x.numpy() >= 0, 1.0, -1.0))
 
 
-def test_efsign_sends_scaled_signs_in_a_thirty_second_of_the_bytes():
-    x = gradient()
-    restored, payload = one_worker(EFSign(), x)
-    scale = np.mean(np.abs(x.numpy()))
-    np.testing.assert_allclose(restored.numpy(), np.where(x.numpy() >= 0, scale, -scale), rtol=1e-6)
-    assert sum(p.numpy().nbytes for p in payload) == 4 + 1000 // 8
+@pytest.mark.parametrize("block, scales", [(None, 1), (256, 4), (64, 16)])
+def test_efsign_sends_signs_and_block_means(block, scales):
+    x = gradient()  # 1000 entries
+    restored, payload = one_worker(EFSign(block=block), x)
+    flat = x.numpy().ravel()
+    width = 1000 if block is None else block
+    means = np.repeat([np.mean(np.abs(flat[i:i + width])) for i in range(0, 1000, width)], width)[:1000]
+    np.testing.assert_allclose(restored.numpy().ravel(), np.where(flat >= 0, means, -means), rtol=1e-5)
+    assert sum(p.numpy().nbytes for p in payload) == 1000 // 8 + 4 * scales
 
 
 def test_efsign_sums_gathered_workers():

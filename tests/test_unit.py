@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_public_api_is_pinned():
     assert sorted(tfdp.__all__) == [
-        "DistributedOptimizer", "MirroredStrategy", "callbacks", "compression", "init", "is_chief",
+        "AsyncStrategy", "CompressedStrategy", "DistributedOptimizer", "MirroredStrategy", "callbacks", "compression", "init", "is_chief",
         "local_rank", "preset_names", "rank", "size", "strategy",
     ]
     for name in tfdp.__all__:
@@ -36,6 +36,7 @@ def test_keras_hooks_are_where_tfdp_expects_them():
     _compat.install()
     patched = [
         base_optimizer.BaseOptimizer._clip_gradients,
+        base_optimizer.BaseOptimizer._backend_apply_gradients,
         tf_optimizer.TFOptimizer._all_reduce_sum_gradients,
         loss_scale_optimizer.LossScaleOptimizer.apply,
         tf_trainer.reduce_per_replica,

@@ -14,10 +14,12 @@ from tfdp.presets import preset_names, strategy
 from tfdp.runtime import init, is_chief, local_rank, rank, size
 from tfdp.mirrored import MirroredStrategy
 from tfdp.compressed import CompressedStrategy
+from tfdp.asynchronous import AsyncStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncStrategy",
     "CompressedStrategy",
     "DistributedOptimizer",
     "MirroredStrategy",

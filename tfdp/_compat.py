@@ -26,7 +26,8 @@ def gradient_reducer(optimizer):
 
 
 @contextlib.contextmanager
-def _gradients_reduced():
+def gradients_reduced():
+    """Within this block, optimizers apply the gradients they are given as they are."""
     previous = getattr(_state, "reduced", False)
     _state.reduced = True
     try:
@@ -44,8 +45,28 @@ def _reduce_first(method):
         if reducer is None or getattr(_state, "reduced", False):
             return method(self, grads, *args, **kwargs)
         grads = reducer(list(grads))
-        with _gradients_reduced():
+        with gradients_reduced():
             return method(self, grads, *args, **kwargs)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _notify_after_update(method):
+    """Wrap `_backend_apply_gradients(self, grads, variables)` to tell the reducer an update ran."""
+
+    @functools.wraps(method)
+    def wrapper(self, grads, trainable_variables):
+        result = method(self, grads, trainable_variables)
+        hook = getattr(gradient_reducer(self), "after_update", None)
+        if hook is not None:
+            if self.gradient_accumulation_steps:
+                raise ValueError(
+                    "tfdp.AsyncStrategy does not support `gradient_accumulation_steps`; "
+                    "use a larger batch or tfdp.MirroredStrategy."
+                )
+            hook(trainable_variables)
+        return result
 
     wrapper._tfdp_original = method
     return wrapper
@@ -71,6 +92,12 @@ def _patch_optimizers():
 
     base_optimizer.BaseOptimizer._clip_gradients = _reduce_first(
         base_optimizer.BaseOptimizer._clip_gradients
+    )
+    # Same file: `_backend_apply_gradients(grads, trainable_variables)` runs one update
+    # (clip, weight decay, update step). Reducers that act after the update (local SGD
+    # averages the weights every H steps) get the variables there.
+    base_optimizer.BaseOptimizer._backend_apply_gradients = _notify_after_update(
+        base_optimizer.BaseOptimizer._backend_apply_gradients
     )
     # keras/src/backend/tensorflow/optimizer.py: `_backend_update_step` sums gradients
     # with `get_replica_context().all_reduce`; tfdp has already reduced them.
@@ -123,7 +150,11 @@ def _patch_callbacks():
 
     @functools.wraps(original)
     def __init__(self, callbacks=None, add_history=False, add_progbar=False, model=None, **params):
-        extended = getattr(getattr(model, "_distribute_strategy", None), "extended", None)
+        strategy = getattr(model, "_distribute_strategy", None)
+        extended = getattr(strategy, "extended", None)
+        extra = getattr(strategy, "training_callbacks", None)
+        if extra is not None:
+            callbacks = list(callbacks or []) + extra()
         if getattr(extended, "is_chief", True) is False:
             add_progbar = False
             kept = []

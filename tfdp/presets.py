@@ -21,10 +21,11 @@ PRESET_KEYS = {"description": str, "strategy": str, "options": dict}
 
 
 def _strategy_classes():
+    from tfdp.asynchronous import AsyncStrategy
     from tfdp.compressed import CompressedStrategy
     from tfdp.mirrored import MirroredStrategy
 
-    return {"mirrored": MirroredStrategy, "compressed": CompressedStrategy}
+    return {"mirrored": MirroredStrategy, "compressed": CompressedStrategy, "async": AsyncStrategy}
 
 
 def _preset_files():

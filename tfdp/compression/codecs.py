@@ -215,23 +215,44 @@ def unpack_signs(packed, n):
 
 
 class EFSign(Codec):
-    """Send the sign of each entry (1 bit) and one scale, the mean magnitude: ~32x fewer bytes.
+    """Send the sign of each entry (1 bit) and the mean magnitude of each block of entries.
 
-    Biased on its own; with error feedback it converges like SGD (Karimireddy et al.,
-    https://arxiv.org/abs/1901.09847), so `tfdp.CompressedStrategy` keeps error
-    feedback on for it.
+    ``block`` entries share one float32 scale (their mean absolute value); ``block=None``
+    uses one scale per tensor (Karimireddy et al.'s scaled sign). Bytes per tensor:
+    ``ceil(n / 8) + 4 * ceil(n / block)``, i.e. 28x fewer than float32 at ``block=256``
+    and 32x with one scale. Biased on its own; with error feedback it converges like
+    SGD (https://arxiv.org/abs/1901.09847), so `tfdp.CompressedStrategy` keeps error
+    feedback on for it. Per-block scales follow the local magnitude, which kept
+    momentum SGD on digits within the accuracy band where one scale per tensor did not.
     """
 
     name = "efsign"
     summable = False
 
+    def __init__(self, block=256):
+        if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block < 8
+                                  or block % 8):
+            raise ValueError(f"`block` must be None or a multiple of 8, >= 8. Received: block={block!r}")
+        self.block = block
+
+    def _blocks(self, n):
+        return 1 if self.block is None else -(-n // self.block)
+
     def compress(self, x, step):
         flat = tf.reshape(tf.cast(x, tf.float32), [-1])
-        scale = tf.reduce_mean(tf.abs(flat))
-        return [tf.reshape(scale, [1]), pack_signs(flat)], (x.shape, x.dtype)
+        n = int(flat.shape[0])
+        width = n if self.block is None else self.block
+        padded = tf.pad(tf.abs(flat), [[0, self._blocks(n) * width - n]])
+        # Mean over the real entries of each block (the last block may be short).
+        counts = tf.constant([min(width, n - b * width) for b in range(self._blocks(n))], tf.float32)
+        scales = tf.reduce_sum(tf.reshape(padded, [-1, width]), axis=1) / counts
+        return [scales, pack_signs(flat)], (x.shape, x.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx
-        scales, packed = payload  # [workers, 1], [workers, ceil(n / 8)]
-        per_worker = unpack_signs(packed, shape.num_elements()) * scales
+        scales, packed = payload  # [workers, blocks], [workers, ceil(n / 8)]
+        n = shape.num_elements()
+        width = n if self.block is None else self.block
+        per_entry = tf.repeat(scales, width, axis=1)[:, :n]
+        per_worker = unpack_signs(packed, n) * per_entry
         return tf.cast(tf.reshape(tf.reduce_sum(per_worker, axis=0), shape), dtype)

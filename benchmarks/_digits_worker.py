@@ -1,11 +1,11 @@
-"""Train the digits model once per (compressor, seed) inside one set of workers.
+"""Train the digits model once per (strategy configuration, seed) inside one set of workers.
 
 Run under horovodrun (or alone). For every run, rank r appends to ``<out>/rank<r>.json``
 the test accuracy, median seconds per step (wall time of each epoch / its steps),
 gradient bytes per step and dense bytes per step. Used by
-``benchmarks/compression.py`` and by ``tests/test_compression_convergence.py``.
+``benchmarks/compression.py``, ``benchmarks/asynchronous.py`` and the convergence tests.
 
-    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/_compression_worker.py \
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/_digits_worker.py \
         --out /tmp/c --optimizer adam --seeds 0 1 2 --configs sync fp16 topk-1pct
 """
 
@@ -25,19 +25,37 @@ import keras  # noqa: E402
 import tfdp  # noqa: E402
 from digits import build_model, load_data  # noqa: E402
 
-# name -> CompressedStrategy options (None: tfdp.MirroredStrategy, the baseline).
+
+def compressed(**options):
+    return lambda: tfdp.CompressedStrategy(**options)
+
+
+def asynchronous(**options):
+    return lambda: tfdp.AsyncStrategy(**options)
+
+
+# name -> strategy factory; "sync" (tfdp.MirroredStrategy) is the baseline.
 CONFIGS = {
-    "sync": None,
-    "fp16": {"compressor": "fp16"},
-    "bf16": {"compressor": "bf16"},
-    "topk-1pct": {"compressor": {"name": "topk", "ratio": 0.01}},
-    "qsgd": {"compressor": {"name": "qsgd", "levels": 64}, "error_feedback": False},
-    "efsign": {"compressor": "efsign"},
-    "powersgd-r2": {"compressor": {"name": "powersgd", "rank": 2}, "warmup_steps": 20},
-    "powersgd-r4": {"compressor": {"name": "powersgd", "rank": 4}, "warmup_steps": 20},
-    "randomk-10pct": {"compressor": {"name": "randomk", "ratio": 0.1}, "error_feedback": False},
+    "sync": tfdp.MirroredStrategy,
+    "fp16": compressed(compressor="fp16"),
+    "bf16": compressed(compressor="bf16"),
+    "topk-1pct": compressed(compressor={"name": "topk", "ratio": 0.01}),
+    "qsgd": compressed(compressor={"name": "qsgd", "levels": 64}, error_feedback=False),
+    "efsign": compressed(compressor="efsign"),
+    "powersgd-r2": compressed(compressor={"name": "powersgd", "rank": 2}, warmup_steps=20),
+    "powersgd-r4": compressed(compressor={"name": "powersgd", "rank": 4}, warmup_steps=20),
+    "randomk-10pct": compressed(compressor={"name": "randomk", "ratio": 0.1}, error_feedback=False),
     # Negative control: far too sparse and nothing remembered; must fall outside the band.
-    "topk-0.1pct-no-ef": {"compressor": {"name": "topk", "ratio": 0.001}, "error_feedback": False},
+    "topk-0.1pct-no-ef": compressed(compressor={"name": "topk", "ratio": 0.001}, error_feedback=False),
+    "async-s0": asynchronous(staleness=0),
+    "async-s1": asynchronous(staleness=1),
+    "async-s2": asynchronous(staleness=2),
+    "async-s2-lr": asynchronous(staleness=2, damping="lr"),
+    "local-h4": asynchronous(sync_every=4),
+    "local-h16": asynchronous(sync_every=16),
+    "local-h16-warmup": asynchronous(sync_every=16, warmup_steps=40),
+    # Negative control for the async band: one average at the very end of each fit.
+    "local-h100000": asynchronous(sync_every=100000),
 }
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(2e-3),
@@ -59,8 +77,7 @@ class EpochTimer(keras.callbacks.Callback):
 def train_once(config, optimizer, seed, epochs, batch_size):
     keras.utils.set_random_seed(seed)
     x_train, y_train, x_test, y_test = load_data(seed)
-    options = CONFIGS[config]
-    strategy = tfdp.MirroredStrategy() if options is None else tfdp.CompressedStrategy(**options)
+    strategy = CONFIGS[config]()
     with strategy.scope():
         model = build_model(None, optimizer=OPTIMIZERS[optimizer]())
     timer = EpochTimer()
@@ -77,6 +94,7 @@ def train_once(config, optimizer, seed, epochs, batch_size):
         "gradient_bytes_per_step": history.history["gradient_bytes_per_step"][-1],
         "dense_bytes_per_step": history.history["dense_bytes_per_step"][-1],
         "final_loss": history.history["loss"][-1],
+        "stats": strategy.communication_stats(),
         "weights_checksum": float(sum(abs(w).sum() for w in model.get_weights())),
     }
 
@@ -85,7 +103,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
-    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), required=True)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)

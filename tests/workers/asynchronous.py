@@ -1,0 +1,138 @@
+"""AsyncStrategy under horovodrun: delayed-gradient semantics, the staleness bound, local SGD.
+
+Every case fits a small MLP with plain SGD on fixed data (no shuffle) and records the
+weights, the stats and a timestamp after every batch. Rank 0 also computes a
+single-process reference of the same algorithm with plain TensorFlow (no strategy):
+delayed full-batch gradients for staleness, per-worker local steps plus averaging for
+local SGD.
+"""
+
+import argparse
+import time
+
+import _common
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfdp
+
+STEPS = 12
+BATCH = 32
+LR = 0.1
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS * BATCH, 20)).astype("float32")
+    y = (x[:, :3] @ rng.normal(size=(3, 1))).astype("float32")
+    return x, y
+
+
+def mlp():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((20,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self, delay=0.0):
+        super().__init__()
+        self.delay = delay
+        self.times, self.checksums = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.delay:
+            time.sleep(self.delay)  # a slow worker
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.time())
+        self.checksums.append(float(sum(np.abs(w).sum() for w in self.model.get_weights())))
+
+
+def fit(strategy, delay=0.0):
+    x, y = data()
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    recorder = Recorder(delay)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    return {"weights": [w.tolist() for w in model.get_weights()], "times": recorder.times,
+            "checksums": recorder.checksums, "stats": strategy.communication_stats()}
+
+
+def gradient(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def reference_stale(staleness):
+    """One process, full global batches: step t applies the gradient of step t - s."""
+    x, y = data()
+    model = mlp()
+    pending = []
+    for t in range(STEPS):
+        batch = slice(t * BATCH, (t + 1) * BATCH)
+        pending.append(gradient(model, x[batch], y[batch]))
+        if len(pending) > staleness:
+            for v, g in zip(model.trainable_variables, pending.pop(0)):
+                v.assign_sub(LR * g)
+    for grads in pending:  # fit's end applies what is still in flight
+        for v, g in zip(model.trainable_variables, grads):
+            v.assign_sub(LR * g)
+    return [w.tolist() for w in model.get_weights()]
+
+
+def reference_local(sync_every, workers=2):
+    """Each worker steps on its half of every global batch; weights averaged every H steps."""
+    x, y = data()
+    replicas = [mlp() for _ in range(workers)]
+    per_worker = BATCH // workers
+    for t in range(STEPS):
+        for r, model in enumerate(replicas):
+            start = t * BATCH + r * per_worker
+            grads = gradient(model, x[start:start + per_worker], y[start:start + per_worker])
+            for v, g in zip(model.trainable_variables, grads):
+                v.assign_sub(LR * g)
+        if (t + 1) % sync_every == 0 or t == STEPS - 1:
+            for vs in zip(*(m.trainable_variables for m in replicas)):
+                mean = tf.add_n([tf.convert_to_tensor(v) for v in vs]) / workers
+                for v in vs:
+                    v.assign(mean)
+    return [w.tolist() for w in replicas[0].get_weights()]
+
+
+CASES = {
+    "sync": lambda: fit(tfdp.MirroredStrategy()),
+    "s0": lambda: fit(tfdp.AsyncStrategy(staleness=0)),
+    "s1": lambda: fit(tfdp.AsyncStrategy(staleness=1)),
+    "s2": lambda: fit(tfdp.AsyncStrategy(staleness=2)),
+    "h4": lambda: fit(tfdp.AsyncStrategy(sync_every=4)),
+    "h5": lambda: fit(tfdp.AsyncStrategy(sync_every=5)),
+    # Rank 1 sleeps 0.15 s before each step: how far may rank 0 run ahead?
+    "slow-s0": lambda: fit(tfdp.AsyncStrategy(staleness=0), delay=0.15 * tfdp.rank()),
+    "slow-s2": lambda: fit(tfdp.AsyncStrategy(staleness=2), delay=0.15 * tfdp.rank()),
+    "slow-s4": lambda: fit(tfdp.AsyncStrategy(staleness=4), delay=0.15 * tfdp.rank()),
+}
+REFERENCES = {
+    "ref-s0": lambda: reference_stale(0),
+    "ref-s1": lambda: reference_stale(1),
+    "ref-s2": lambda: reference_stale(2),
+    "ref-h4": lambda: reference_local(4),
+    "ref-h5": lambda: reference_local(5),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", nargs="+", default=sorted(CASES))
+    args = parser.parse_args()
+    results = {case: CASES[case]() for case in args.cases}
+    if tfdp.rank() == 0:
+        results.update({name: make() for name, make in REFERENCES.items()})
+    _common.write_result(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
