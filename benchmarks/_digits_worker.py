@@ -51,11 +51,12 @@ CONFIGS = {
     "async-s1": asynchronous(staleness=1),
     "async-s2": asynchronous(staleness=2),
     "async-s2-lr": asynchronous(staleness=2, damping="lr"),
+    "async-s1-lr": asynchronous(staleness=1, damping="lr"),
+    # Negative control for the async band: staleness far beyond the usual 1-2 steps.
+    "async-s8": asynchronous(staleness=8),
     "local-h4": asynchronous(sync_every=4),
     "local-h16": asynchronous(sync_every=16),
     "local-h16-warmup": asynchronous(sync_every=16, warmup_steps=40),
-    # Negative control for the async band: one average at the very end of each fit.
-    "local-h100000": asynchronous(sync_every=100000),
 }
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(2e-3),

@@ -45,7 +45,8 @@ class AsyncStrategy(HorovodStrategy):
     weights are identical on all ranks after every step; in local SGD mode they are
     identical after every average. ``communication_stats()`` adds ``max_staleness`` (the
     age in steps of the oldest gradient applied; H - 1 for local SGD) and
-    ``blocked_seconds`` (time spent waiting for the staleness bound).
+    ``blocked_seconds`` (time spent waiting for the staleness bound) and
+    ``exchange_seconds`` (time the background exchanges took, delay included).
 
     Args:
         staleness: s >= 0 (default 1 when `sync_every` is not given).
@@ -56,6 +57,9 @@ class AsyncStrategy(HorovodStrategy):
         outer_learning_rate, outer_momentum: local SGD's outer step.
         global_step_logs: as in `tfdp.MirroredStrategy`, but False by default: a
             per-step metric all-reduce would hold every worker in lockstep.
+        exchange_delay_seconds: staleness mode only: sleep this long in each
+            background exchange, to emulate a slow link in benchmarks
+            (``benchmarks/asynchronous.py``). Leave at 0 for training.
 
     Example:
         >>> strategy = tfdp.AsyncStrategy(staleness=1)
@@ -110,4 +114,5 @@ class AsyncStrategy(HorovodStrategy):
         stats["max_staleness"] = reducer.max_staleness()
         if isinstance(reducer, StaleGradients):
             stats["blocked_seconds"] = reducer.pipeline.blocked_seconds
+            stats["exchange_seconds"] = reducer.pipeline.exchange_seconds
         return stats

@@ -12,7 +12,6 @@ import collections
 import threading
 import time
 
-import numpy as np
 import tensorflow as tf
 
 from tfdp import _compat
@@ -36,6 +35,8 @@ class ExchangePipeline:
         self.staleness = staleness
         self.delay_seconds = delay_seconds
         self.blocked_seconds = 0.0
+        self.exchange_seconds = 0.0
+        self.exchanges = 0
         self._submitted = 0
         self._applied = 0
         self._pending = collections.deque()
@@ -58,14 +59,16 @@ class ExchangePipeline:
                 index, vector = self._pending.popleft()
             if index is None:
                 return
+            start = time.monotonic()
             try:
                 if self.delay_seconds:
                     time.sleep(self.delay_seconds)  # Benchmarks only: an emulated slow link.
                 if hvd.size() > 1:
-                    vector = hvd.allreduce(tf.constant(vector), op=hvd.Sum,
-                                           name=f"tfdp_stale_{index}").numpy()
+                    vector = hvd.allreduce(vector, op=hvd.Sum, name=f"tfdp_stale_{index}")
                 with self._condition:
                     self._results[index] = vector
+                    self.exchange_seconds += time.monotonic() - start
+                    self.exchanges += 1
                     self._condition.notify_all()
             except Exception as err:  # noqa: BLE001 - surfaced in the training thread.
                 with self._condition:
@@ -89,10 +92,13 @@ class ExchangePipeline:
             return self._results.pop(index)
 
     def step(self, vector):
-        """Submit this step's gradient; return (summed gradient of step t - s or None, its age)."""
+        """Submit this step's gradient; return (summed gradient of step t - s or None, its age).
+
+        `vector` is an eager tensor: immutable, so the thread can hold it without a copy.
+        """
         self._ensure_thread()
         with self._condition:
-            self._pending.append((self._submitted, np.array(vector, copy=True)))
+            self._pending.append((self._submitted, vector))
             self._submitted += 1
             self._condition.notify_all()
         if self._submitted - self._applied <= self.staleness:
@@ -138,15 +144,17 @@ class StaleGradients:
     def _exchange(self, vector):
         applied, age = self.pipeline.step(vector)
         if applied is None:
-            return np.zeros_like(vector), np.int64(-1)
-        return applied.astype(np.float32), np.int64(age)
+            return tf.zeros_like(vector), tf.constant(-1, tf.int64)
+        return applied, tf.constant(age, tf.int64)
 
     def __call__(self, grads):
         grads = [None if g is None else densify(g) for g in grads]
         present = [g for g in grads if g is not None]
         self._shapes = [(g.shape, g.dtype) for g in present]
         flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in present], axis=0)
-        applied, age = tf.numpy_function(self._exchange, [flat], [tf.float32, tf.int64], stateful=True)
+        # py_function hands the step's tensor to Python without a copy; the exchange
+        # runs outside this graph, so it can outlive the step.
+        applied, age = tf.py_function(self._exchange, [flat], [tf.float32, tf.int64])
         applied = tf.reshape(applied, tf.shape(flat))
         stats = self.communicator.stats
         stats.add("steps", 1)
@@ -177,6 +185,6 @@ class StaleGradients:
             return
         scale = 1.0 / (1 + self.staleness) if self.damping == "lr" else 1.0
         for vector in pending:
-            grads = self._unflatten(tf.constant(vector * scale, tf.float32), [True] * len(self._shapes))
+            grads = self._unflatten(tf.cast(vector, tf.float32) * scale, [True] * len(self._shapes))
             with _compat.gradients_reduced():
                 strategy.run(optimizer.apply, args=(grads, self._variables))
