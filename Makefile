@@ -1,7 +1,7 @@
 # All set-up happens in tools/setup_env.sh (idempotent: a second run takes seconds).
 PY := .venv/bin/python
 
-.PHONY: setup digits test test-fast bench
+.PHONY: setup digits test test-fast bench bench-compression bench-async
 setup:
 	bash tools/setup_env.sh
 
@@ -16,3 +16,9 @@ test-fast: setup
 
 bench: setup
 	$(PY) benchmarks/sync_vs_horovod_vs_mwms.py
+
+bench-compression: setup
+	$(PY) benchmarks/compression.py
+
+bench-async: setup
+	$(PY) benchmarks/asynchronous.py

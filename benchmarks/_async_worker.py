@@ -62,9 +62,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--delay", type=float, default=0.03)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--global-batch", type=int, default=256)
+    parser.add_argument("--delay", type=float, default=0.05)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--global-batch", type=int, default=2048)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     n = args.steps * args.global_batch

@@ -47,4 +47,15 @@ def test_mean_accuracy_within_one_point_of_sync(tmp_path, family, optimizer):
     print(f"\n{family} / {optimizer}:\n{table}")
     for config in must_match:
         assert means["sync"] - means[config] <= BAND, f"{config} too far below sync:\n{table}"
-    assert means["sync"] - means[negative_control] > BAND, f"negative control inside the band:\n{table}"
+    for row in run.results(tmp_path, 2)[0]:
+        assert row["stats"]["rounds"] == expected_rounds(row["config"], row["stats"]["steps"]), row
+
+
+def expected_rounds(config, steps):
+    """Exchanges per fit: one per step, or one per H local steps (after warm-up) plus the
+    average at the end of fit when steps are left over."""
+    if not config.startswith("local-h"):
+        return steps
+    every = int(config.split("-")[1][1:])
+    warmup = 40 if config.endswith("-warmup") else 0
+    return warmup + -(-(steps - warmup) // every)

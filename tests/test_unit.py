@@ -141,9 +141,21 @@ def test_cli_lists_presets_and_rejects_unknown_ones(capsys):
     from tfdp import cli
 
     assert cli.main(["presets"]) == 0
-    assert capsys.readouterr().out.startswith("sync ")
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == tfdp.preset_names()
+    assert {"sync", "fp16", "topk-1pct", "powersgd-r4", "efsign", "async-s1", "async-s2",
+            "local-sgd-h16"} <= set(listed)
     assert cli.main(["run", "-np", "2", "--strategy", "nope", "x.py"]) == 2
     assert "Unknown strategy preset 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", tfdp.preset_names())
+def test_every_preset_builds_its_strategy(name):
+    strategy = tfdp.strategy(name)
+    kind = presets.load_preset(name)["strategy"]
+    expected = {"mirrored": tfdp.MirroredStrategy, "compressed": tfdp.CompressedStrategy,
+                "async": tfdp.AsyncStrategy}[kind]
+    assert type(strategy) is expected
 
 
 # -- optimizer wrapper and callbacks ------------------------------------------------
