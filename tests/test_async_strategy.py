@@ -1,6 +1,9 @@
 """AsyncStrategy on 2 real workers: exact delayed-gradient and local-SGD semantics, the
 staleness bound under a deliberately slow rank, rounds, identical weights."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from conftest import assert_ok, run_workers
@@ -12,11 +15,16 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
     run = run_workers("asynchronous.py", 2, ["--out", out], timeout=420)
     assert_ok(run)
-    return run.results(out, 2)
+    return out, run.results(out, 2)
+
+
+@pytest.fixture(scope="module")
+def results(job):
+    return job[1]
 
 
 def max_relative_difference(a, b):
@@ -85,6 +93,23 @@ def test_slow_rank_holds_the_others_back_only_as_far_as_the_bound(results, case,
     assert measured <= staleness + 1, measured
     assert measured >= staleness, measured
     assert rank0[case]["stats"]["blocked_seconds"] > rank1[case]["stats"]["blocked_seconds"]
+
+
+@pytest.mark.parametrize("case", ["s1", "h4"])
+def test_evaluate_predict_and_save_keep_the_contract(job, case):
+    out, (rank0, rank1) = job
+    assert rank0[case]["evaluate"] == rank1[case]["evaluate"]  # global, identical
+    assert abs(rank0[case]["evaluate"] - rank0[case]["numpy_mse"]) <= 1e-5 * rank0[case]["numpy_mse"]
+    assert rank0[case]["predict_rows"] == rank1[case]["predict_rows"] == 50
+    code = (
+        "import sys, keras\n"
+        f"model = keras.models.load_model({str(out / (case + '.keras'))!r})\n"
+        "assert 'tfdp' not in sys.modules\n"
+        "print(type(model.optimizer).__name__, [w.ravel()[0] for w in model.get_weights()][:2])\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split()[0] == "SGD"
 
 
 @pytest.mark.parametrize(

@@ -144,3 +144,16 @@ def test_saved_model_loads_without_tfdp(results):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[-2:] == ["SGD", "269322"]
+
+
+@pytest.mark.parametrize("name, preset", [("fp16", "fp16"), ("bf16", "bf16"), ("topk", "topk-1pct"),
+                                          ("qsgd", "qsgd"), ("efsign", "efsign")])
+def test_advisor_predicts_the_measured_payload(results, name, preset):
+    # tfdp advise computes payloads from the codecs; they must match what was sent.
+    from tfdp import advisor, presets
+
+    _, (rank0, _) = results
+    case = rank0[name]
+    spec = presets.load_preset(preset)
+    payloads, _ = advisor.exchange(spec["options"], spec["strategy"], [tuple(s) for s in case["shapes"]])
+    assert sum(b for b, _ in payloads) * STEPS == delta(case, "gradient_bytes")

@@ -2,6 +2,8 @@
 
     tfdp presets                                   list strategy presets
     tfdp run -np 2 [--strategy P] script.py ...    horovodrun with preset P
+    tfdp advise --params 5e6 --bandwidth-mbit 100 --compute-ms 40 [-np 2]
+                                                   predicted time per step of each preset
 """
 
 import argparse
@@ -16,6 +18,31 @@ def _list_presets(_args):
     for name in presets.preset_names():
         description = " ".join(presets.load_preset(name)["description"].split())
         print(f"{name:<16} {description}")
+    return 0
+
+
+def _advise(args):
+    from tfdp import advisor
+
+    if (args.params is None) == (args.model is None):
+        raise ValueError("Give the model as --params COUNT or as --model FILE.keras (one of them).")
+    for name in ("bandwidth_mbit", "compute_ms"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0. Received: {getattr(args, name)}")
+    if args.np < 1:
+        raise ValueError(f"-np must be >= 1. Received: -np {args.np}")
+    shapes = (advisor.shapes_from_parameter_count(int(args.params)) if args.params is not None
+              else advisor.shapes_from_model_file(args.model))
+    rows = advisor.advise(shapes, args.np, args.bandwidth_mbit * 1e6 / 8, args.compute_ms / 1000,
+                          args.latency_ms / 1000)
+    params = sum(advisor._numel(s) for s in shapes)
+    print(f"{params:,} parameters, {args.np} workers, {args.bandwidth_mbit:g} Mbit/s, "
+          f"compute {args.compute_ms:g} ms/step, latency {args.latency_ms:g} ms per collective")
+    print(f"{'preset':<16} {'ms/step':>9} {'comm ms':>9} {'MB sent':>9}")
+    for row in rows:
+        print(f"{row.preset:<16} {1000 * row.seconds_per_step:>9.1f} {1000 * row.communication_seconds:>9.1f} "
+              f"{row.bytes_sent / 1e6:>9.3f}")
+    print(f"recommended: {rows[0].preset}")
     return 0
 
 
@@ -48,6 +75,14 @@ def build_parser():
     run.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
     run.add_argument("-H", "--hosts", help="horovodrun host list (default localhost:NP)")
     run.add_argument("--strategy", help="preset name, sets $TFDP_STRATEGY for the workers")
+    advise = commands.add_parser("advise", help="predict time per step of each preset (ring cost model)")
+    advise.add_argument("--params", type=float, help="parameter count of the model")
+    advise.add_argument("--model", help="a saved Keras model file (its trainable shapes are used)")
+    advise.add_argument("--bandwidth-mbit", type=float, required=True, help="link bandwidth, Mbit/s")
+    advise.add_argument("--compute-ms", type=float, required=True, help="measured compute time per step")
+    advise.add_argument("--latency-ms", type=float, default=0.1, help="latency per collective")
+    advise.add_argument("-np", type=int, default=2, help="number of workers")
+    advise.set_defaults(handler=_advise)
     return parser
 
 

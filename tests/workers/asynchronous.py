@@ -9,6 +9,7 @@ local SGD.
 
 import argparse
 import time
+from pathlib import Path
 
 import _common
 import keras
@@ -18,6 +19,7 @@ import tensorflow as tf
 import tfdp
 
 STEPS = 12
+OUT = None  # set from --out
 BATCH = 32
 LR = 0.1
 
@@ -49,15 +51,23 @@ class Recorder(keras.callbacks.Callback):
         self.checksums.append(float(sum(np.abs(w).sum() for w in self.model.get_weights())))
 
 
-def fit(strategy, delay=0.0):
+def fit(strategy, delay=0.0, save_to=None):
     x, y = data()
     with strategy.scope():
         model = mlp()
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     recorder = Recorder(delay)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
-    return {"weights": [w.tolist() for w in model.get_weights()], "times": recorder.times,
-            "checksums": recorder.checksums, "stats": strategy.communication_stats()}
+    result = {"weights": [w.tolist() for w in model.get_weights()], "times": recorder.times,
+              "checksums": recorder.checksums, "stats": strategy.communication_stats()}
+    if save_to is not None:
+        # The rest of the contract: global evaluate, in-order predict, save on rank 0.
+        result["evaluate"] = float(model.evaluate(x, y, batch_size=BATCH, verbose=0))
+        result["numpy_mse"] = float(np.mean((model.predict(x, batch_size=BATCH, verbose=0) - y) ** 2))
+        result["predict_rows"] = int(model.predict(x[:50], batch_size=BATCH, verbose=0).shape[0])
+        if strategy.is_chief:
+            model.save(save_to)
+    return result
 
 
 def gradient(model, x, y):
@@ -105,9 +115,9 @@ def reference_local(sync_every, workers=2):
 CASES = {
     "sync": lambda: fit(tfdp.MirroredStrategy()),
     "s0": lambda: fit(tfdp.AsyncStrategy(staleness=0)),
-    "s1": lambda: fit(tfdp.AsyncStrategy(staleness=1)),
+    "s1": lambda: fit(tfdp.AsyncStrategy(staleness=1), save_to=OUT / "s1.keras"),
     "s2": lambda: fit(tfdp.AsyncStrategy(staleness=2)),
-    "h4": lambda: fit(tfdp.AsyncStrategy(sync_every=4)),
+    "h4": lambda: fit(tfdp.AsyncStrategy(sync_every=4), save_to=OUT / "h4.keras"),
     "h5": lambda: fit(tfdp.AsyncStrategy(sync_every=5)),
     # Rank 1 sleeps 0.15 s before each step: how far may rank 0 run ahead?
     "slow-s0": lambda: fit(tfdp.AsyncStrategy(staleness=0), delay=0.15 * tfdp.rank()),
@@ -124,10 +134,12 @@ REFERENCES = {
 
 
 def main():
+    global OUT
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="+", default=sorted(CASES))
     args = parser.parse_args()
+    OUT = Path(args.out)
     results = {case: CASES[case]() for case in args.cases}
     if tfdp.rank() == 0:
         results.update({name: make() for name, make in REFERENCES.items()})

@@ -32,6 +32,10 @@ class Codec:
     name = "codec"
     summable = True
 
+    def payload_bytes(self, shape):
+        """Bytes one worker hands to collectives for a tensor of `shape` (float32 gradients)."""
+        raise NotImplementedError
+
     def own(self, payload):
         """Shape `payload` as the exchange would deliver it if this worker were alone."""
         return list(payload) if self.summable else [p[None] for p in payload]
@@ -62,6 +66,9 @@ class Identity(Codec):
     name = "none"
     summable = True
 
+    def payload_bytes(self, shape):
+        return 4 * _numel(shape)
+
     def compress(self, x, step):
         return [x], x.dtype
 
@@ -85,6 +92,9 @@ class Cast(Codec):
         self.name = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
         self.summable = dtype == "float16"
 
+    def payload_bytes(self, shape):
+        return 2 * _numel(shape)
+
     def compress(self, x, step):
         half = tf.cast(x, self.dtype)
         return [half if self.summable else tf.bitcast(half, tf.uint16)], x.dtype
@@ -94,6 +104,10 @@ class Cast(Codec):
             return tf.cast(payload[0], ctx)
         per_worker = tf.cast(tf.bitcast(payload[0], self.dtype), tf.float32)
         return tf.cast(tf.reduce_sum(per_worker, axis=0), ctx)
+
+
+def _numel(shape):
+    return int(tf.TensorShape(shape).num_elements())
 
 
 def _k(n, ratio):
@@ -119,6 +133,9 @@ class TopK(Codec):
     def __init__(self, ratio=0.01):
         self.ratio = _check_ratio(ratio)
 
+    def payload_bytes(self, shape):
+        return 8 * _k(_numel(shape), self.ratio)  # float32 value + int32 index
+
     def compress(self, x, step):
         flat = tf.reshape(x, [-1])
         _, indices = tf.math.top_k(tf.abs(flat), k=_k(int(flat.shape[0]), self.ratio), sorted=False)
@@ -143,6 +160,9 @@ class RandomK(Codec):
     def __init__(self, ratio=0.01, seed=0):
         self.ratio = _check_ratio(ratio)
         self.seed = int(seed)
+
+    def payload_bytes(self, shape):
+        return 4 * _k(_numel(shape), self.ratio)  # values only: indices come from the seed
 
     def _indices(self, n, step):
         seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(step, tf.int64)])
@@ -176,6 +196,9 @@ class QSGD(Codec):
             raise ValueError(f"`levels` must be an integer in [1, 127]. Received: levels={levels!r}")
         self.levels = levels
         self.seed = int(seed)
+
+    def payload_bytes(self, shape):
+        return 4 + _numel(shape)  # norm + int8 levels
 
     def compress(self, x, step):
         flat = tf.reshape(tf.cast(x, tf.float32), [-1])
@@ -234,6 +257,10 @@ class EFSign(Codec):
                                   or block % 8):
             raise ValueError(f"`block` must be None or a multiple of 8, >= 8. Received: block={block!r}")
         self.block = block
+
+    def payload_bytes(self, shape):
+        n = _numel(shape)
+        return -(-n // 8) + 4 * self._blocks(n)
 
     def _blocks(self, n):
         return 1 if self.block is None else -(-n // self.block)

@@ -1,0 +1,83 @@
+"""The advisor's ring cost model on inputs worked out by hand, and its command line."""
+
+import math
+
+import pytest
+
+from tfdp import advisor, cli
+
+MATRIX = [(1000, 1000)]  # 4,000,000 bytes as float32
+B = 1e6  # bytes/s
+
+
+def test_ring_bytes_per_worker():
+    assert advisor.ring_bytes(1000, 2, "allreduce") == 1000  # 2 (P-1)/P
+    assert advisor.ring_bytes(1000, 4, "allreduce") == 1500
+    assert advisor.ring_bytes(1000, 4, "allgather") == 3000  # (P-1) x b
+    assert advisor.ring_bytes(1000, 1, "allreduce") == 0
+    with pytest.raises(ValueError, match="`kind` must be 'allreduce' or 'allgather'"):
+        advisor.ring_bytes(1, 2, "broadcast")
+
+
+@pytest.mark.parametrize(
+    "preset, seconds",
+    [
+        ("sync", 0.5 + 4.0),                                   # C + M
+        ("fp16", 0.5 + 2.0),                                   # 2 bytes per entry
+        ("topk-1pct", 0.5 + 8 * 10_000 / B),                   # value + index, all-gathered once (P=2)
+        ("efsign", 0.5 + (125_000 + 4 * math.ceil(1e6 / 256)) / B),
+        ("powersgd-r4", 0.5 + (1000 + 1000) * 4 * 4 / B),
+        ("async-s1", max(0.5, 4.0)),                           # overlap
+        ("local-sgd-h16", 0.5 + 4.0 / 16),                     # one exchange per 16 steps
+    ],
+)
+def test_predicted_step_time(preset, seconds):
+    row = advisor.predict(preset, MATRIX, workers=2, bandwidth_bytes=B, compute_seconds=0.5, latency_seconds=0)
+    assert row.seconds_per_step == pytest.approx(seconds, rel=1e-12)
+
+
+def test_latency_counts_each_collective():
+    one = advisor.predict("sync", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
+    two = advisor.predict("powersgd-r4", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
+    assert one == pytest.approx(4.0 + 0.01)
+    assert two == pytest.approx(32_000 / B + 0.02)  # P then Q
+
+
+def test_small_tensors_go_dense_as_in_the_strategy():
+    payloads, _ = advisor.exchange({"compressor": {"name": "topk", "ratio": 0.01}}, "compressed",
+                                   [(1000, 1000), (100,)])
+    assert payloads == [(80_000, "allgather"), (400, "allreduce")]
+
+
+def test_advise_orders_fastest_first_and_recommends_compression_on_a_slow_link():
+    rows = advisor.advise(MATRIX, 2, B, 0.5, latency_seconds=0)
+    times = [r.seconds_per_step for r in rows]
+    assert times == sorted(times)
+    assert rows[0].preset == "powersgd-r4" and rows[-1].preset == "sync"
+    fast_link = advisor.advise(MATRIX, 2, 1e12, 0.5, latency_seconds=0)
+    assert all(abs(r.seconds_per_step - 0.5) < 1e-3 for r in fast_link)  # compute-bound: all equal
+
+
+def test_parameter_count_stand_in():
+    assert advisor.shapes_from_parameter_count(5000) == [(4, 1024), (904,)]
+    assert advisor.shapes_from_parameter_count(100) == [(100,)]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        advisor.shapes_from_parameter_count(0)
+
+
+def test_cli_prints_a_recommendation(capsys):
+    assert cli.main(["advise", "--params", "5e6", "--bandwidth-mbit", "100", "--compute-ms", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "5,000,000 parameters" in out and out.strip().splitlines()[-1].startswith("recommended: ")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["advise", "--bandwidth-mbit", "100", "--compute-ms", "40"], "--params COUNT or as --model"),
+        (["advise", "--params", "10", "--bandwidth-mbit", "0", "--compute-ms", "40"], "--bandwidth-mbit must be > 0"),
+    ],
+)
+def test_cli_rejects_bad_input(capsys, argv, message):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
