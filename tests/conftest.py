@@ -63,3 +63,23 @@ def run_script(script, nworkers, args=(), timeout=240, env=None):
 
 def assert_ok(run):
     assert run.returncode == 0, run.output[-6000:]
+
+
+def load_without_tfdp(model_path, inputs=None):
+    """Load a saved model in a fresh Python that never imports tfdp.
+
+    Returns its optimizer class name, parameter count and, given `inputs`, predictions.
+    """
+    code = (
+        "import json, sys, numpy as np, keras\n"
+        f"model = keras.saving.load_model({str(model_path)!r})\n"
+        "x = json.loads(sys.stdin.read())\n"
+        "assert 'tfdp' not in sys.modules\n"
+        "predictions = None if x is None else model.predict(np.asarray(x, 'float32'), verbose=0).tolist()\n"
+        "print(json.dumps({'optimizer': type(model.optimizer).__name__, "
+        "'params': model.count_params(), 'predictions': predictions}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], input=json.dumps(inputs), capture_output=True,
+                         text=True, timeout=120, env={**QUIET_ENV, "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -1,12 +1,10 @@
 """The rest of Keras keeps working under tfdp.MirroredStrategy (2 real workers vs 1 plain process)."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import QUIET_ENV, assert_ok, run_script
+from conftest import assert_ok, load_without_tfdp, run_script
 from test_equivalence import relative_differences
 
 pytestmark = pytest.mark.multiprocess
@@ -54,18 +52,8 @@ def test_only_rank0_writes_files(float32_runs):
 
 def test_saved_model_loads_in_plain_keras_without_tfdp(float32_runs):
     _, (rank0, _), files = float32_runs
-    code = (
-        "import sys, json, numpy as np, keras\n"
-        f"m = keras.saving.load_model({str(files / 'model.keras')!r})\n"
-        "x = np.random.default_rng(5).normal(size=(1024, 12)).astype('float32')[:10]\n"
-        "assert 'tfdp' not in sys.modules\n"
-        "print(json.dumps({'optimizer': type(m.optimizer).__name__, "
-        "'predictions': m.predict(x, verbose=0).tolist()}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**QUIET_ENV, "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    x = np.random.default_rng(5).normal(size=(1024, 12)).astype("float32")[:10]
+    loaded = load_without_tfdp(files / "model.keras", x.tolist())
     assert loaded["optimizer"] == "SGD"
     np.testing.assert_allclose(loaded["predictions"], rank0["predictions"], rtol=1e-6, atol=1e-7)
 
