@@ -31,6 +31,13 @@ class CommunicationStats:
         """Add `amount` (a Python int or an integer tensor) to counter `name`."""
         return self._vars[name].assign_add(tf.cast(amount, tf.int64))
 
+    def count_step(self, grads):
+        """Count one gradient step and the float32 size of its (non-None) gradients."""
+        self.add("steps", 1)
+        present = [g for g in grads if g is not None]
+        if present:
+            self.add("dense_bytes", tf.add_n([float32_bytes(g) for g in present]))
+
     def as_dict(self):
         """Return the counters as Python ints."""
         return {name: int(var.numpy()) for name, var in self._vars.items()}

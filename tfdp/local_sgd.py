@@ -8,7 +8,6 @@ optimizer step on the averaged change, as in DiLoCo (https://arxiv.org/abs/2311.
 import tensorflow as tf
 
 from tfdp._state import local_variable
-from tfdp.comm import float32_bytes
 from tfdp.reducers import densify
 
 
@@ -50,8 +49,7 @@ class LocalSGD:
         grads = [None if g is None else densify(g) for g in grads]
         present = [i for i, g in enumerate(grads) if g is not None]
         stats = self.communicator.stats
-        stats.add("steps", 1)
-        stats.add("dense_bytes", tf.add_n([float32_bytes(grads[i]) for i in present]))
+        stats.count_step(grads)
         size = self.communicator.size
 
         def synchronous():

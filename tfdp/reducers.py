@@ -6,7 +6,6 @@ and returns the list of gradients every worker applies.
 
 import tensorflow as tf
 
-from tfdp.comm import float32_bytes
 
 
 def densify(grad):
@@ -39,10 +38,7 @@ class AllReduceGradients:
     def __call__(self, grads):
         grads = [None if g is None else densify(g) for g in grads]
         present = [g for g in grads if g is not None]
-        stats = self.communicator.stats
-        stats.add("steps", 1)
-        stats.add("rounds", 1)
-        if present:
-            stats.add("dense_bytes", tf.add_n([float32_bytes(g) for g in present]))
+        self.communicator.stats.count_step(grads)
+        self.communicator.stats.add("rounds", 1)
         reduced = iter(self.communicator.allreduce(present, op=self.op, gradients=True))
         return [None if g is None else next(reduced) for g in grads]

@@ -157,8 +157,7 @@ class StaleGradients:
         applied, age = tf.py_function(self._exchange, [flat], [tf.float32, tf.int64])
         applied = tf.reshape(applied, tf.shape(flat))
         stats = self.communicator.stats
-        stats.add("steps", 1)
-        stats.add("dense_bytes", tf.add_n([float32_bytes(g) for g in present]))
+        stats.count_step(present)
         if self.communicator.size > 1:
             stats.add("rounds", 1)
             stats.add("collectives", 1)

@@ -3,7 +3,6 @@
 import tensorflow as tf
 
 from tfdp._state import local_variable
-from tfdp.comm import float32_bytes
 from tfdp.compression.error_feedback import ErrorFeedback
 from tfdp.reducers import densify
 
@@ -82,12 +81,8 @@ class CompressedGradients:
             summed_large = compressed()
         summed_small = self._dense([grads[i] for i in small])
 
-        stats = self.communicator.stats
-        stats.add("steps", 1)
-        stats.add("rounds", 1)
-        present = [g for g in grads if g is not None]
-        if present:
-            stats.add("dense_bytes", tf.add_n([float32_bytes(g) for g in present]))
+        self.communicator.stats.count_step(grads)
+        self.communicator.stats.add("rounds", 1)
         self._step.assign_add(1)
 
         result = list(grads)
