@@ -32,8 +32,10 @@ def test_bad_input_fails_on_every_rank(case, message):
 def test_killed_worker_ends_the_job():
     run = run_workers("faults.py", 2, ["--case", "die"], timeout=BOUND_SECONDS)
     assert run.returncode != 0
-    assert "Process 1 exit with status code 137" in run.output  # SIGKILL, named by rank
-    assert "Process 0 exit with status code" in run.output
+    # horovodrun names the first rank to fail (SIGKILL = 137) and then ends the others; rank 0's own
+    # "exit with status code" line is racy (the launcher may exit before printing it), so it is not asserted.
+    assert "The first process to do so was:\nProcess name: 1\nExit code: 137" in run.output, run.output[-3000:]
+    assert run.seconds < BOUND_SECONDS
 
 
 def test_missing_horovod_says_how_to_install(tmp_path):
