@@ -4,12 +4,15 @@
     tfdp run -np 2 [--strategy P] script.py ...    horovodrun with preset P
     tfdp advise --params 5e6 --bandwidth-mbit 100 --compute-ms 40 [-np 2]
                                                    predicted time per step of each preset
+    tfdp bench --presets sync topk-1pct -np 2 [--rate-mbit 100] [--params 6e6] [--out DIR]
+                                                   measure presets side by side (JSON, markdown, PNG)
 """
 
 import argparse
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from tfdp import presets
 
@@ -43,6 +46,25 @@ def _advise(args):
         print(f"{row.preset:<16} {1000 * row.seconds_per_step:>9.1f} {1000 * row.communication_seconds:>9.1f} "
               f"{row.bytes_sent / 1e6:>9.3f}")
     print(f"recommended: {rows[0].preset}")
+    return 0
+
+
+def _bench(args):
+    from tfdp import bench
+    from tfdp.network import check_available
+
+    if args.rate_mbit is not None:
+        if args.rate_mbit <= 0:
+            raise ValueError(f"--rate-mbit must be > 0. Received: {args.rate_mbit}")
+        check_available()
+    for name in ("steps", "batch_size", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
+    bench.run_bench(args.presets, workers=args.np, rate_mbit=args.rate_mbit, workload=args.workload,
+                    params=args.params, batch_size=args.batch_size, steps=args.steps,
+                    warmup_steps=args.warmup_steps, threads=args.threads, out_dir=args.out, timeout=args.timeout)
+    print((Path(args.out) / "bench.md").read_text())
+    print(f"wrote {args.out}/bench.json, bench.md, bench.png (worker output: bench.log)")
     return 0
 
 
@@ -83,6 +105,20 @@ def build_parser():
     advise.add_argument("--latency-ms", type=float, default=0.1, help="latency per collective")
     advise.add_argument("-np", type=int, default=2, help="number of workers")
     advise.set_defaults(handler=_advise)
+    bench = commands.add_parser("bench", help="measure presets side by side on loopback or emulated hosts")
+    bench.add_argument("--presets", nargs="+", default=["sync", "topk-1pct", "powersgd-r4", "async-s1"])
+    bench.add_argument("-np", type=int, default=2, help="number of workers (>= 2)")
+    bench.add_argument("--rate-mbit", type=float, help="emulated hosts with this link rate (root); "
+                       "default: loopback")
+    bench.add_argument("--workload", choices=["mlp", "cnn"], default="mlp")
+    bench.add_argument("--params", type=float, default=6e6, help="parameter count of the mlp workload")
+    bench.add_argument("--batch-size", type=int, default=32, help="per worker")
+    bench.add_argument("--steps", type=int, default=8, help="timed steps per preset")
+    bench.add_argument("--warmup-steps", type=int, default=3, help="untimed steps (plus the preset's own)")
+    bench.add_argument("--threads", type=int, default=1, help="TensorFlow threads per worker")
+    bench.add_argument("--timeout", type=float, default=900, help="seconds per job before it is ended")
+    bench.add_argument("--out", default="bench-results")
+    bench.set_defaults(handler=_bench)
     return parser
 
 
@@ -95,7 +131,7 @@ def main(argv=None):
                 parser.error(f"-np must be >= 1. Received: -np {args.np}")
             return _run(args, passthrough)
         return args.handler(args)
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:
         print(f"tfdp: error: {err}", file=sys.stderr)
         return 2
 
