@@ -146,6 +146,8 @@ def chart(rows, path, workers, rate_mbit):
         ax.scatter(xs, [r["predicted_ms"] for r in rows], marker="_", s=600, color="tab:red", zorder=3,
                    label="advisor")
     ax.axhline(rows[0]["compute_ms"], color="gray", ls="--", lw=1, label="1 worker, compute only")
+    if max(r["max_ms"] for r in rows) > 20 * min(r["min_ms"] for r in rows):
+        ax.set_yscale("log")
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("ms per step")
     link = f"{rate_mbit:g} Mbit/s emulated hosts" if rate_mbit else "loopback"

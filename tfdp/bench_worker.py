@@ -79,7 +79,8 @@ class StepProbe(keras.callbacks.Callback):
 
     def _mark(self):
         stats = self.strategy.communication_stats() if hasattr(self.strategy, "communication_stats") else {}
-        self.marks.append((time.perf_counter(), stats.get("payload_bytes", 0), self._link_bytes()))
+        self.marks.append((time.perf_counter(), stats.get("payload_bytes", 0), self._link_bytes(),
+                           stats.get("gradient_bytes", 0)))
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self.marks:
@@ -115,6 +116,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps):
         "step_seconds": seconds, "median_seconds": statistics.median(seconds),
         "seconds_per_step": span / steps,
         "payload_bytes_per_step": (timed[-1][1] - timed[0][1]) / steps,
+        "gradient_bytes_per_step": (timed[-1][3] - timed[0][3]) / steps,
         "link_bytes_per_step": link,
         "threads": tf.config.threading.get_intra_op_parallelism_threads(), "shapes": [list(v.shape) for v in model.trainable_variables],
     }

@@ -76,6 +76,12 @@ def _pump(stream, rank, name, sink, lines, lock):
     stream.close()
 
 
+def _wait(process, rank, exits, lock):
+    code = process.wait()
+    with lock:
+        exits.append((time.monotonic(), rank, code))
+
+
 def _end(processes):
     """SIGTERM every live worker's process group, then SIGKILL what is left after a grace period."""
     for sig, wait in ((signal.SIGTERM, TERMINATE_GRACE_SECONDS), (signal.SIGKILL, TERMINATE_GRACE_SECONDS)):
@@ -103,6 +109,7 @@ def launch(command, workers, rate_mbit=None, emulate=None, timeout=None, env=Non
     base_env = dict(os.environ if env is None else env)
     hosts = EmulatedHosts(workers, rate_mbit, tag=tag) if emulate else None
     processes, threads, lines, lock = [], [], [], threading.Lock()
+    exits = []  # (time, rank, code) in the order the workers ended
     server = None
     start = time.monotonic()
     result = LaunchResult(returncode=0, seconds=0.0)
@@ -120,17 +127,19 @@ def launch(command, workers, rate_mbit=None, emulate=None, timeout=None, env=Non
             p = subprocess.Popen(prefix + list(command), env=_worker_env(slot, address, port, iface, base_env),
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
             processes.append(p)
+            threading.Thread(target=_wait, args=(p, slot.rank, exits, lock), daemon=True).start()
             for stream, name in ((p.stdout, "stdout"), (p.stderr, "stderr")):
                 t = threading.Thread(target=_pump, args=(stream, slot.rank, name, sink, lines, lock), daemon=True)
                 t.start()
                 threads.append(t)
         while True:
-            codes = [p.poll() for p in processes]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            with lock:
+                failed = [(r, c) for _, r, c in sorted(exits) if c != 0]
+                done = len(exits) == len(processes)
             if failed:
                 result.failed_rank, result.failed_code = failed[0]
                 break
-            if all(c == 0 for c in codes):
+            if done:
                 break
             if timeout is not None and time.monotonic() - start > timeout:
                 result.timed_out = True

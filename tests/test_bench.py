@@ -1,0 +1,66 @@
+"""`tfdp bench`: real jobs on loopback and on emulated hosts, numbers checked against each other."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import QUIET_ENV
+
+pytestmark = pytest.mark.multiprocess
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (CAP_NET_ADMIN)")
+
+
+def tfdp_cli(*args, timeout=600):
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "tfdp.cli", *args], capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, **QUIET_ENV})
+    return out, time.monotonic() - start
+
+
+def test_unknown_preset_fails_before_any_job(tmp_path):
+    out, seconds = tfdp_cli("bench", "--presets", "sync", "no-such-preset", "--out", str(tmp_path), timeout=120)
+    assert out.returncode == 2
+    assert "Unknown strategy preset 'no-such-preset'" in out.stderr
+    assert not (tmp_path / "bench.log").exists()  # No job was started.
+
+
+def test_loopback_bench_writes_json_markdown_and_chart(tmp_path):
+    out, _ = tfdp_cli("bench", "--presets", "sync", "topk-1pct", "--params", "3e5", "--steps", "4",
+                      "--warmup-steps", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    sync, topk = report["rows"]
+    assert (sync["preset"], topk["preset"]) == ("sync", "topk-1pct")
+    # Sync sends the model's float32 gradients, exactly, plus the step's metric scalars.
+    shapes = report["single_worker"]["shapes"]
+    dense = 4 * sum(math.prod(s) for s in shapes)
+    assert report["raw"]["sync"]["gradient_bytes_per_step"] == dense
+    assert 0 < sync["payload_bytes_per_step"] - dense <= 64
+    assert topk["payload_bytes_per_step"] < dense / 20
+    assert sync["link_bytes_per_step"] is None  # Loopback is shared by all workers: not reported.
+    for row in report["rows"]:
+        assert row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+        assert row["samples_per_second"] == pytest.approx(2 * 32 * 1000 / row["median_ms"])
+        assert row["scaling_efficiency"] == pytest.approx(report["single_worker_ms"] / row["median_ms"])
+    assert sync["speedup_vs_sync"] == 1.0
+    table = (tmp_path / "bench.md").read_text()
+    assert "| sync |" in table and "| topk-1pct |" in table
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_root
+def test_emulated_link_bytes_and_advisor_agree_with_the_measured_sync_step(tmp_path):
+    out, _ = tfdp_cli("bench", "--presets", "sync", "--rate-mbit", "100", "--params", "1e6", "--steps", "4",
+                      "--warmup-steps", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (sync,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    # ~4 MB of float32 gradients per step cross a 100 Mbit/s link: ~0.32 s of communication.
+    assert sync["payload_bytes_per_step"] > 3.9e6
+    assert sync["link_over_payload"] == pytest.approx(1.0, abs=0.10)
+    assert sync["measured_over_predicted"] == pytest.approx(1.0, abs=0.25)
+    # Negative control: the link really limits the step; the compute alone is far shorter.
+    assert sync["median_ms"] > 2 * sync["compute_ms"]
