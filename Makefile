@@ -1,7 +1,7 @@
 # All set-up happens in tools/setup_env.sh (idempotent: a second run takes seconds).
 PY := .venv/bin/python
 
-.PHONY: setup digits test test-fast bench bench-compression bench-async
+.PHONY: setup digits test test-fast bench bench-compression bench-async bench-hosts
 setup:
 	bash tools/setup_env.sh
 
@@ -22,3 +22,13 @@ bench-compression: setup
 
 bench-async: setup
 	$(PY) benchmarks/asynchronous.py
+
+# Emulated hosts need root. Three side-by-side runs, results in benchmarks/results/.
+RESULTS := benchmarks/results
+bench-hosts: setup
+	.venv/bin/tfdp bench --presets sync topk-1pct powersgd-r4 async-s1 --rate-mbit 100 \
+		--params 6e6 --batch-size 16 --steps 8 --out $(RESULTS)/hosts-100mbit-6M
+	.venv/bin/tfdp bench --presets sync async-s1 local-sgd-h16 --rate-mbit 100 \
+		--params 1e6 --batch-size 3584 --steps 32 --out $(RESULTS)/hosts-100mbit-balanced
+	.venv/bin/tfdp bench --presets sync fp16 --workload cnn --batch-size 64 --steps 10 \
+		--out $(RESULTS)/loopback-cnn

@@ -1,9 +1,13 @@
 """Bad input and dead workers end the job quickly with a clear error on every rank."""
 
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import QUIET_ENV, run_workers
 
@@ -38,6 +42,30 @@ def test_killed_worker_ends_the_job():
     assert run.seconds < BOUND_SECONDS
 
 
+def test_stalled_worker_ends_the_job_within_the_step_timeout():
+    # Rank 1 sleeps inside fit without exiting; rank 0 waits in an all-reduce that never
+    # completes. tfdp's step watchdog (10 s here, 120 s by default) ends rank 0; horovodrun
+    # then ends rank 1.
+    run = run_workers("faults.py", 2, ["--case", "stall"], timeout=BOUND_SECONDS,
+                      env={"TFDP_STEP_TIMEOUT_SECONDS": "10"})
+    assert run.returncode != 0
+    # Whichever watchdog fires first (rank 0 waiting in batch 4, or rank 1 stuck in batch 3's
+    # callbacks) exits with 75 and names the batch; the launcher ends the other rank.
+    assert re.search(r"tfdp: rank [01]: training batch [34] has not finished after 10 s", run.output), \
+        run.output[-3000:]
+    assert "Exit code: 75" in run.output
+    assert run.seconds < 60
+
+
+def test_bad_step_timeout_is_an_error_on_every_rank():
+    run = run_workers("faults.py", 2, ["--case", "stall"], timeout=BOUND_SECONDS,
+                      env={"TFDP_STEP_TIMEOUT_SECONDS": "soon"})
+    assert run.returncode != 0
+    for rank in (0, 1):
+        assert any(line.startswith(f"[{rank}]<stderr>:") and "TFDP_STEP_TIMEOUT_SECONDS must be a number" in line
+                   for line in run.output.splitlines()), run.output[-3000:]
+
+
 def test_missing_horovod_says_how_to_install(tmp_path):
     # A `horovod` package that fails to import stands in for a missing installation.
     (tmp_path / "horovod").mkdir()
@@ -47,3 +75,63 @@ def test_missing_horovod_says_how_to_install(tmp_path):
                          env={**os.environ, **QUIET_ENV, "PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "tools/setup_env.sh" in out.stdout and "no horovod here" in out.stdout
+
+
+def _max_relative_difference(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / (np.abs(np.asarray(y)) + 1e-12)))
+               for x, y in zip(a, b))
+
+
+def test_kill_and_resume_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
+    def job(name, backup, *extra, timeout=240):
+        (tmp_path / name).mkdir()
+        run = run_workers("resume.py", 2, ["--out", tmp_path / name, "--backup", tmp_path / backup, *extra],
+                          timeout=timeout)
+        return run, tmp_path / name / "rank0.json"
+
+    full, full_result = job("full", "backup-full")
+    assert full.returncode == 0, full.output[-3000:]
+    killed, _ = job("killed", "backup", "--die-at-epoch", "3", timeout=BOUND_SECONDS)
+    assert "Process name: 1\nExit code: 137" in killed.output, killed.output[-3000:]
+    # Rank 0 saved epochs 0-2 before rank 1 died in epoch 3; rank 1 never wrote.
+    assert json.loads((tmp_path / "backup" / "training_metadata.json").read_text())["epoch"] == 3
+    shutil.copytree(tmp_path / "backup", tmp_path / "backup-copy")
+
+    resumed, resumed_result = job("resumed", "backup")  # The same command, run again.
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    full_state, resumed_state = (json.loads(p.read_text()) for p in (full_result, resumed_result))
+    assert (resumed_state["first_epoch"], resumed_state["epochs_trained"]) == (3, 3)
+    assert resumed_state["iterations"] == full_state["iterations"]  # Optimizer state came back too.
+    assert _max_relative_difference(resumed_state["weights"], full_state["weights"]) <= 1e-6
+
+    # Negative control: the same restored weights, trained from epoch 0 again, end elsewhere.
+    forgot, forgot_result = job("forgot", "backup-copy", "--forget-epoch")
+    assert forgot.returncode == 0, forgot.output[-3000:]
+    assert _max_relative_difference(json.loads(forgot_result.read_text())["weights"], full_state["weights"]) > 1e-3
+
+
+def test_nonfinite_gradients_skip_the_step_on_every_rank(tmp_path):
+    (tmp_path / "skip").mkdir()
+    (tmp_path / "plain").mkdir()
+    skip = run_workers("nonfinite.py", 2, ["--out", tmp_path / "skip", "--skip"], timeout=BOUND_SECONDS)
+    assert skip.returncode == 0, skip.output[-3000:]
+    ranks = skip.results(tmp_path / "skip", 2)
+    # Only rank 1 saw NaN inputs, once per epoch; both ranks skipped those 2 of 16 steps.
+    assert [r["skipped"] for r in ranks] == [2, 2]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    # Skipping changed nothing else: plain Keras trained without that batch ends at the same weights.
+    assert _max_relative_difference(ranks[0]["weights"], ranks[0]["reference"]) <= 1e-5
+    # Negative control: without the option one NaN reaches every rank's weights.
+    plain = run_workers("nonfinite.py", 2, ["--out", tmp_path / "plain"], timeout=BOUND_SECONDS)
+    assert plain.returncode == 0, plain.output[-3000:]
+    assert all(np.isnan(np.ravel(r["weights"][0])).all() for r in plain.results(tmp_path / "plain", 2))
+
+
+def test_uneven_inputs_end_every_rank_at_the_same_step(tmp_path):
+    run = run_workers("uneven.py", 2, ["--out", tmp_path], timeout=BOUND_SECONDS)
+    assert run.returncode == 0, run.output[-3000:]
+    ranks = run.results(tmp_path, 2)
+    # 8 global batches on rank 0, 10 on rank 1: both train 8 per epoch, 3 epochs.
+    assert [r["iterations"] for r in ranks] == [24, 24]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    assert "rank 1 drops its last 2 every epoch" in run.output

@@ -41,6 +41,7 @@ def test_keras_hooks_are_where_tfdp_expects_them():
         loss_scale_optimizer.LossScaleOptimizer.apply,
         tf_trainer.reduce_per_replica,
         callback_list.CallbackList.__init__,
+        tf_trainer.TFEpochIterator.__init__,
     ]
     for function in patched:
         assert hasattr(function, "_tfdp_original"), function

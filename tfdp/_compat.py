@@ -52,12 +52,53 @@ def _reduce_first(method):
     return wrapper
 
 
+def _skip_nonfinite_counter(optimizer):
+    """The strategy's skipped-step counter when it skips non-finite steps, else None."""
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    return getattr(getattr(strategy, "extended", None), "skipped_steps", None)
+
+
+def _update_unless_nonfinite(method, optimizer, grads, trainable_variables, counter):
+    """Reduce, then run the update only if every reduced gradient is finite; else count a skip.
+
+    The reduced gradients are identical on every rank (a NaN or Inf on any rank is one in
+    the sum), so every rank takes the same branch: one global decision, no extra collective.
+    """
+    import tensorflow as tf
+
+    if optimizer.gradient_accumulation_steps:
+        raise ValueError("`skip_nonfinite=True` does not support `gradient_accumulation_steps`; "
+                         "use a larger batch, or skip_nonfinite=False.")
+    reducer = gradient_reducer(optimizer)
+    grads = reducer(list(grads)) if reducer is not None and not getattr(_state, "reduced", False) else grads
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
+
+    def update():
+        with gradients_reduced():
+            method(optimizer, grads, trainable_variables)
+        return tf.constant(True)
+
+    def skip():
+        counter.assign_add(1)
+        return tf.constant(False)
+
+    return tf.cond(finite, update, skip)
+
+
 def _notify_after_update(method):
-    """Wrap `_backend_apply_gradients(self, grads, variables)` to tell the reducer an update ran."""
+    """Wrap `_backend_apply_gradients(self, grads, variables)` to tell the reducer an update ran.
+
+    With a strategy built with ``skip_nonfinite=True`` the update runs only when the
+    reduced gradients are all finite.
+    """
 
     @functools.wraps(method)
     def wrapper(self, grads, trainable_variables):
-        result = method(self, grads, trainable_variables)
+        counter = _skip_nonfinite_counter(self)
+        if counter is not None:
+            result = _update_unless_nonfinite(method, self, grads, trainable_variables, counter)
+        else:
+            result = method(self, grads, trainable_variables)
         hook = getattr(gradient_reducer(self), "after_update", None)
         if hook is not None:
             if self.gradient_accumulation_steps:
@@ -173,6 +214,47 @@ def _patch_callbacks():
     callback_list.CallbackList.__init__ = __init__
 
 
+class _FewerBatches:
+    """A Keras data adapter seen through a smaller `num_batches`; everything else delegated."""
+
+    def __init__(self, adapter, num_batches):
+        self._adapter = adapter
+        self._num_batches = num_batches
+
+    @property
+    def num_batches(self):
+        return self._num_batches
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+
+def _patch_epoch_iterator():
+    # keras/src/backend/tensorflow/trainer.py: `TFEpochIterator.__init__(distribute_strategy,
+    # ...)` distributes the adapter's dataset; keras/src/trainers/epoch_iterator.py runs
+    # `data_adapter.num_batches` steps per epoch. Ranks with different numbers of batches
+    # would deadlock; the strategy agrees on the fewest and every rank runs that many.
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original = tf_trainer.TFEpochIterator.__init__
+
+    @functools.wraps(original)
+    def __init__(self, distribute_strategy=None, *args, **kwargs):
+        original(self, distribute_strategy, *args, **kwargs)
+        agree = getattr(getattr(distribute_strategy, "extended", None), "agree_num_batches", None)
+        if agree is None or self.steps_per_epoch:
+            return
+        mine = self.data_adapter.num_batches
+        fewest = agree(mine)
+        if fewest != mine:
+            self._distributed_dataset = self._distributed_dataset.take(fewest)
+            self.data_adapter = _FewerBatches(self.data_adapter, fewest)
+            self._num_batches = fewest
+
+    __init__._tfdp_original = original
+    tf_trainer.TFEpochIterator.__init__ = __init__
+
+
 def install():
     """Install all hooks once per process."""
     global _installed
@@ -181,4 +263,5 @@ def install():
     _patch_optimizers()
     _patch_step_outputs()
     _patch_callbacks()
+    _patch_epoch_iterator()
     _installed = True

@@ -102,7 +102,7 @@ class AsyncStrategy(HorovodStrategy):
 
     def training_callbacks(self):
         """Callbacks tfdp adds to every `fit` under this strategy."""
-        return [FinishExchanges(self)]
+        return super().training_callbacks() + [FinishExchanges(self)]
 
     def finish(self, optimizer):
         """Apply in-flight gradients (staleness) or average the models (local SGD)."""

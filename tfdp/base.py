@@ -18,6 +18,7 @@ from tensorflow.python.framework import random_seed
 from tensorflow.python.ops import control_flow_util
 
 from tfdp import _compat
+from tfdp._state import local_variable
 from tfdp.comm import CommunicationStats, Communicator
 from tfdp.data import shard_global_batches
 
@@ -176,6 +177,32 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
     def _experimental_distribute_dataset(self, dataset, options):
         return shard_global_batches(dataset, self._rank, self._size)
 
+    def agree_num_batches(self, count):
+        """Return the fewest global batches per epoch of any rank (called by tfdp._compat).
+
+        `count` is this rank's number (None: unknown). Without this a rank with more
+        batches would wait forever in an all-reduce that the others never join. Rule:
+        a rank with more batches drops its last ones, every epoch, and says so on
+        stderr; no rows are padded.
+        """
+        if self._size == 1:
+            return count
+        mine = -1 if count is None else int(count)
+        counts = self.communicator.allgather(tf.constant([mine], tf.int64)).numpy().tolist()
+        if len(set(counts)) == 1:
+            return count
+        if min(counts) < 0:
+            raise ValueError(
+                f"The workers' inputs differ in length and some lengths are unknown (global batches "
+                f"per epoch by rank: {counts}; -1 unknown). Pass the same data on every rank (tfdp "
+                f"splits each global batch), or set `steps_per_epoch`.")
+        fewest = min(counts)
+        if mine > fewest:
+            print(f"tfdp: rank {self._rank} has {mine} global batches per epoch and rank "
+                  f"{counts.index(fewest)} has {fewest}: rank {self._rank} drops its last "
+                  f"{mine - fewest} every epoch so that all ranks end at the same step.", file=sys.stderr)
+        return fewest
+
     def _distribute_datasets_from_function(self, dataset_fn, options):
         context = distribute_lib.InputContext(
             num_input_pipelines=self._size,
@@ -201,14 +228,21 @@ class HorovodStrategy(distribute_lib.Strategy):
 
     _collective_key_base = 0  # Read by MirroredExtended.__init__; tfdp uses no TF collectives.
 
-    def __init__(self, make_reducer, global_step_logs=True):
+    def __init__(self, make_reducer, global_step_logs=True, skip_nonfinite=False):
         _compat.install()
-        if not isinstance(global_step_logs, bool):
-            raise ValueError(f"`global_step_logs` must be True or False. Received: global_step_logs={global_step_logs!r}")
+        for name, value in (("global_step_logs", global_step_logs), ("skip_nonfinite", skip_nonfinite)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
         communicator = Communicator(CommunicationStats())
         super().__init__(
             HorovodExtended(self, communicator, make_reducer(communicator), global_step_logs)
         )
+        from tfdp.watchdog import timeout_from_env
+
+        self._step_timeout_seconds = timeout_from_env()  # A bad value fails here, on every rank.
+        # Read by tfdp._compat around every optimizer update; None: no check.
+        self.extended.skipped_steps = (local_variable(lambda: tf.constant(0, tf.int64), "tfdp_skipped_steps")
+                                       if skip_nonfinite else None)
         if communicator.size > 1:
             self._share_random_seed(communicator)
             if not self.extended.is_chief and os.environ.get(VERBOSE_WORKERS_ENV) != "1":
@@ -246,3 +280,16 @@ class HorovodStrategy(distribute_lib.Strategy):
         stats = self.extended.communicator.stats.as_dict()
         stats["max_staleness"] = 0
         return stats
+
+    def training_callbacks(self):
+        """Callbacks tfdp adds to every `fit`, `evaluate` and `predict` under this strategy."""
+        if self.extended.communicator.size < 2:
+            return []
+        from tfdp.watchdog import StepWatchdog
+
+        return [StepWatchdog(self.rank, self._step_timeout_seconds)]
+
+    def skipped_steps(self):
+        """Steps skipped on every rank because a reduced gradient was not finite (``skip_nonfinite``)."""
+        counter = self.extended.skipped_steps
+        return 0 if counter is None else int(counter.numpy())

@@ -19,7 +19,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
 
@@ -100,10 +99,12 @@ def run(preset, workload, params, batch_size, steps, warmup_steps):
         model.compile(optimizer=keras.optimizers.SGD(1e-3), jit_compile=False,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     total = warmup_steps + steps
-    x = np.random.default_rng(0).normal(size=(total * batch_size, *model.input_shape[1:])).astype("float32")
-    y = np.random.default_rng(1).integers(0, CLASSES, size=total * batch_size)
+    # `batch_size` is per worker, so every job does the same work per worker and step.
+    global_batch = batch_size * strategy.num_replicas_in_sync
+    x = np.random.default_rng(0).normal(size=(total * global_batch, *model.input_shape[1:])).astype("float32")
+    y = np.random.default_rng(1).integers(0, CLASSES, size=total * global_batch)
     probe = StepProbe(strategy)
-    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[probe])
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[probe])
     if hasattr(strategy, "finish"):
         strategy.finish(model.optimizer)
     timed = probe.marks[warmup_steps:]
@@ -118,7 +119,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps):
         "payload_bytes_per_step": (timed[-1][1] - timed[0][1]) / steps,
         "gradient_bytes_per_step": (timed[-1][3] - timed[0][3]) / steps,
         "link_bytes_per_step": link,
-        "threads": tf.config.threading.get_intra_op_parallelism_threads(), "shapes": [list(v.shape) for v in model.trainable_variables],
+        "threads": int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0")), "shapes": [list(v.shape) for v in model.trainable_variables],
     }
 
 

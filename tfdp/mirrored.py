@@ -24,6 +24,10 @@ class MirroredStrategy(HorovodStrategy):
             ``History`` and ``evaluate`` are global either way. Keep True when a
             batch-level callback can stop training (TerminateOnNaN): every rank
             must stop at the same step.
+        skip_nonfinite: skip the update on every rank together when any rank's
+            gradients hold a NaN or Inf (decided on the all-reduced gradients, so
+            all ranks agree without an extra collective); `skipped_steps()` counts
+            them. Not with ``gradient_accumulation_steps``.
 
     Example:
         >>> import keras, tfdp
@@ -34,8 +38,9 @@ class MirroredStrategy(HorovodStrategy):
         >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
     """
 
-    def __init__(self, global_step_logs=True):
+    def __init__(self, global_step_logs=True, skip_nonfinite=False):
         super().__init__(
             lambda communicator: AllReduceGradients(communicator, op="sum"),
             global_step_logs=global_step_logs,
+            skip_nonfinite=skip_nonfinite,
         )

@@ -4,11 +4,13 @@
     --case jit               compile(jit_compile=True)
     --case extra-layer       rank 1 builds one more layer
     --case die               rank 1 SIGKILLs itself during fit
+    --case stall             rank 1 stops (sleeps) during fit without exiting
 """
 
 import argparse
 import os
 import signal
+import time
 
 from _common import rank
 
@@ -24,6 +26,12 @@ class DieAtBatch(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StallAtBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3 and rank() == 1:
+            time.sleep(3600)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", required=True)
@@ -37,7 +45,7 @@ def main():
         model = keras.Sequential(layers)
         model.compile(optimizer="sgd", loss="mse", jit_compile=args.case == "jit")
     x = np.ones((4096, 4), "float32")
-    callbacks = [DieAtBatch()] if args.case == "die" else []
+    callbacks = {"die": [DieAtBatch()], "stall": [StallAtBatch()]}.get(args.case, [])
     model.fit(x, x[:, :1], batch_size=8, epochs=50, verbose=0, callbacks=callbacks)
 
 

@@ -1,0 +1,70 @@
+"""Train digits with keras.callbacks.BackupAndRestore; optionally SIGKILL rank 1 mid-training.
+
+    --die-at-epoch K   rank 1 kills itself during epoch K (after rank 0 saved epoch K - 1)
+    --forget-epoch     before fit, delete the saved epoch number (negative control: the
+                       weights are restored but training restarts at epoch 0)
+
+Rank 0 writes rank0.json to --out: the final weights and the epochs this run trained.
+"""
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from _common import rank, weights_as_lists, write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import keras  # noqa: E402
+
+import tfdp  # noqa: E402
+from digits import build_model, load_data  # noqa: E402
+
+EPOCHS = 6
+
+
+class DieInEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # Batch 2 of the epoch: rank 0 has finished the previous epoch's save by then,
+        # since batches 0 and 1 needed its all-reduces.
+        if self.current == self.epoch and batch == 2 and rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--backup", required=True)
+    parser.add_argument("--die-at-epoch", type=int)
+    parser.add_argument("--forget-epoch", action="store_true")
+    args = parser.parse_args()
+    keras.utils.set_random_seed(0)
+    x_train, y_train, _, _ = load_data(0)
+    strategy = tfdp.MirroredStrategy()
+    with strategy.scope():
+        model = build_model(None, optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    if args.forget_epoch and rank() == 0:
+        (Path(args.backup) / "training_metadata.json").unlink()
+    callbacks = [keras.callbacks.BackupAndRestore(args.backup, delete_checkpoint=False)]
+    if args.die_at_epoch is not None:
+        callbacks.append(DieInEpoch(args.die_at_epoch))
+    # shuffle=False: the batch order of an epoch must not depend on how many epochs this process ran.
+    history = model.fit(x_train, y_train, batch_size=64, epochs=EPOCHS, shuffle=False, verbose=0,
+                        callbacks=callbacks)
+    if rank() == 0:
+        write_result(args.out, {"weights": weights_as_lists(model), "epochs_trained": len(history.epoch),
+                                "first_epoch": history.epoch[0] if history.epoch else None,
+                                "iterations": int(model.optimizer.iterations.numpy())})
+
+
+if __name__ == "__main__":
+    main()

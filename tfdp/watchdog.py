@@ -1,0 +1,77 @@
+"""End a worker whose training batch never finishes: a peer stalled without exiting.
+
+A worker that dies is caught by the launcher (horovodrun ends the job). A worker that
+stops submitting collectives but stays alive (a deadlock in user code, a hung data
+loader) leaves the others waiting in an all-reduce forever; Horovod 0.28.1's stall
+inspector did not end such a job here (tests/test_faults.py). This callback does: when a
+training batch runs longer than the timeout, it names the batch on stderr and exits the
+process with `EXIT_CODE`, and the launcher then ends the rest of the job.
+
+The first batch of every `fit` (graph tracing) is not timed.
+
+Example:
+    >>> strategy = tfdp.MirroredStrategy()   # adds StepWatchdog() to every fit on 2+ workers
+    >>> # TFDP_STEP_TIMEOUT_SECONDS=30 horovodrun -np 2 python train.py
+"""
+
+import os
+import sys
+import threading
+import time
+
+import keras
+
+TIMEOUT_ENV = "TFDP_STEP_TIMEOUT_SECONDS"
+DEFAULT_TIMEOUT_SECONDS = 120.0
+EXIT_CODE = 75
+
+
+def timeout_from_env():
+    text = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_SECONDS))
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0. Received: {TIMEOUT_ENV}={text!r}")
+    return value
+
+
+class StepWatchdog(keras.callbacks.Callback):
+    """Exit this worker with `EXIT_CODE` when a training batch takes longer than `timeout_seconds`."""
+
+    def __init__(self, rank, timeout_seconds=None):
+        super().__init__()
+        self.rank = rank
+        self.timeout_seconds = timeout_from_env() if timeout_seconds is None else timeout_seconds
+        self._batch = None
+        self._started = None
+        self._first = True
+        self._stop = threading.Event()
+
+    def on_train_begin(self, logs=None):
+        self._first = True
+        self._stop.clear()
+        threading.Thread(target=self._watch, daemon=True, name="tfdp-step-watchdog").start()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._first:
+            self._first = False
+            return
+        self._batch, self._started = batch, time.monotonic()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._started = None
+
+    def on_train_end(self, logs=None):
+        self._stop.set()
+
+    def _watch(self):
+        while not self._stop.wait(0.5):
+            started = self._started
+            if started is not None and time.monotonic() - started > self.timeout_seconds:
+                print(f"tfdp: rank {self.rank}: training batch {self._batch} has not finished after "
+                      f"{self.timeout_seconds:g} s: this worker or a peer stalled (stopped submitting "
+                      f"collectives without exiting). Ending this worker so the job does not hang; if steps "
+                      f"really take that long, raise {TIMEOUT_ENV}.", file=sys.stderr, flush=True)
+                os._exit(EXIT_CODE)
