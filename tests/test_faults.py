@@ -23,6 +23,7 @@ BOUND_SECONDS = 90
         ("different-model", "the model differs across workers"),
         ("extra-layer", "the model differs across workers"),
         ("jit", "Pass jit_compile=False"),
+        ("tiny-batch", "The global batch size 1 is smaller than the number of workers (2)"),
     ],
 )
 def test_bad_input_fails_on_every_rank(case, message):

@@ -241,8 +241,12 @@ def _patch_epoch_iterator():
     @functools.wraps(original)
     def __init__(self, distribute_strategy=None, *args, **kwargs):
         original(self, distribute_strategy, *args, **kwargs)
-        agree = getattr(getattr(distribute_strategy, "extended", None), "agree_num_batches", None)
-        if agree is None or self.steps_per_epoch:
+        extended = getattr(distribute_strategy, "extended", None)
+        agree = getattr(extended, "agree_num_batches", None)
+        if agree is None:
+            return
+        extended.check_batch_size(getattr(self.data_adapter, "batch_size", None))
+        if self.steps_per_epoch:
             return
         mine = self.data_adapter.num_batches
         fewest = agree(mine)

@@ -177,6 +177,14 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
     def _experimental_distribute_dataset(self, dataset, options):
         return shard_global_batches(dataset, self._rank, self._size)
 
+    def check_batch_size(self, batch_size):
+        """Raise when a global batch cannot give every worker a row (called by tfdp._compat)."""
+        if batch_size is not None and batch_size < self._size:
+            raise ValueError(
+                f"The global batch size {batch_size} is smaller than the number of workers "
+                f"({self._size}): every worker needs at least one row per batch. The batch_size "
+                f"passed to fit/evaluate/predict is the global batch; use batch_size >= {self._size}.")
+
     def agree_num_batches(self, count):
         """Return the fewest global batches per epoch of any rank (called by tfdp._compat).
 

@@ -5,6 +5,7 @@
     --case extra-layer       rank 1 builds one more layer
     --case die               rank 1 SIGKILLs itself during fit
     --case stall             rank 1 stops (sleeps) during fit without exiting
+    --case tiny-batch        a global batch of 1 for 2 workers
 """
 
 import argparse
@@ -46,7 +47,7 @@ def main():
         model.compile(optimizer="sgd", loss="mse", jit_compile=args.case == "jit")
     x = np.ones((4096, 4), "float32")
     callbacks = {"die": [DieAtBatch()], "stall": [StallAtBatch()]}.get(args.case, [])
-    model.fit(x, x[:, :1], batch_size=8, epochs=50, verbose=0, callbacks=callbacks)
+    model.fit(x, x[:, :1], batch_size=1 if args.case == "tiny-batch" else 8, epochs=50, verbose=0, callbacks=callbacks)
 
 
 if __name__ == "__main__":
