@@ -32,3 +32,5 @@ bench-hosts: setup
 		--params 1e6 --batch-size 3584 --steps 32 --out $(RESULTS)/hosts-100mbit-balanced
 	.venv/bin/tfdp bench --presets sync fp16 --workload cnn --batch-size 64 --steps 10 \
 		--out $(RESULTS)/loopback-cnn
+	.venv/bin/tfdp bench --presets sync fp16 topk-1pct async-s1 --workload digits --rate-mbit 100 \
+		--epochs 15 --target-accuracy 0.95 --out $(RESULTS)/hosts-100mbit-digits

@@ -64,3 +64,23 @@ def test_emulated_link_bytes_and_advisor_agree_with_the_measured_sync_step(tmp_p
     assert sync["measured_over_predicted"] == pytest.approx(1.0, abs=0.25)
     # Negative control: the link really limits the step; the compute alone is far shorter.
     assert sync["median_ms"] > 2 * sync["compute_ms"]
+
+
+def test_digits_bench_reports_the_time_to_a_target_accuracy(tmp_path):
+    out, _ = tfdp_cli("bench", "--presets", "sync", "--workload", "digits", "--epochs", "4",
+                      "--target-accuracy", "0.6", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    (sync,) = report["rows"]
+    raw = report["raw"]["sync"]
+    assert sync["final_accuracy"] >= 0.6
+    assert 1 <= sync["epochs_to_target"] <= 4
+    # Reaching the target took at least those epochs' steps, and no longer than the whole run.
+    assert sync["seconds_to_target"] >= 0.9 * sync["epochs_to_target"] * 23 * raw["median_seconds"]
+    assert "s to 0.6 accuracy" in (tmp_path / "bench.md").read_text()
+    # A target no run reaches is reported as such, not as a time.
+    out, _ = tfdp_cli("bench", "--presets", "sync", "--workload", "digits", "--epochs", "1",
+                      "--target-accuracy", "1.0", "--out", str(tmp_path / "unreached"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "unreached" / "bench.json").read_text())["rows"][0]["seconds_to_target"] is None
+    assert "not reached" in (tmp_path / "unreached" / "bench.md").read_text()

@@ -27,12 +27,13 @@ from tfdp.launcher import launch
 SINGLE_WORKER = "1 worker (compute only)"
 
 
-def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads, timeout, log):
+def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads, timeout, log,
+         digits_options=()):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "tfdp.bench_worker", "--preset", preset, "--workload", workload,
                    "--params", str(params), "--batch-size", str(batch_size), "--steps", str(steps),
-                   "--warmup-steps", str(warmup_steps), "--out", str(out)]
+                   "--warmup-steps", str(warmup_steps), "--out", str(out), *digits_options]
         env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_NUM_INTEROP_THREADS=str(threads),
                    TF_CPP_MIN_LOG_LEVEL="2")
         result = launch(command, workers, rate_mbit=rate_mbit if workers > 1 else None, timeout=timeout,
@@ -50,8 +51,13 @@ def _spread(seconds):
 
 
 def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e6, batch_size=32, steps=8,
-              warmup_steps=3, threads=1, out_dir="bench-results", timeout=900, progress=True):
-    """Run every preset, write the report files to `out_dir`, return the rows (dicts)."""
+              warmup_steps=3, threads=1, out_dir="bench-results", timeout=900, progress=True,
+              target_accuracy=0.95, epochs=20):
+    """Run every preset, write the report files to `out_dir`, return the rows (dicts).
+
+    The digits workload trains `epochs` epochs and also reports the seconds to reach
+    `target_accuracy` on its test split.
+    """
     from tqdm import tqdm
 
     for name in preset_names:
@@ -66,8 +72,10 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
                                                         disable=not progress) as bar:
         for label, preset, n in bar:
             bar.set_postfix_str(f"{label} on {n}")
+            digits_options = (["--target-accuracy", str(target_accuracy), "--epochs", str(epochs)]
+                              if workload == "digits" else [])
             raw[label] = _job(preset, n, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads,
-                              timeout, log)
+                              timeout, log, digits_options)
     single = raw.pop(SINGLE_WORKER)
     compute = single["median_seconds"]
     shapes = [tuple(s) for s in single["shapes"]]
@@ -85,6 +93,9 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             "link_bytes_per_step": r["link_bytes_per_step"],
             "compute_ms": 1000 * compute,
         }
+        for key in ("seconds_to_target", "epochs_to_target", "final_accuracy", "target_accuracy"):
+            if key in r:
+                row[key] = r[key]
         if rate_mbit is not None:
             predicted = advisor.predict(name, shapes, workers, rate_mbit * 1e6 / 8, compute)
             row["predicted_ms"] = 1000 * predicted.seconds_per_step
@@ -118,14 +129,20 @@ def markdown_table(rows, compute_seconds, workers, rate_mbit):
         "| link MB/step | link/payload | advisor ms | measured/advisor |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    digits = "target_accuracy" in first
+    if digits:
+        lines[2] += f" s to {first['target_accuracy']:g} accuracy | final accuracy |"
+        lines[3] += "---|---|"
     for r in rows:
         link_mb = None if r["link_bytes_per_step"] is None else r["link_bytes_per_step"] / 1e6
+        target = (f" {_fmt(r['seconds_to_target'], '.1f', 'not reached')} | {r['final_accuracy']:.4f} |"
+                  if digits else "")
         lines.append(
             f"| {r['preset']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}–{r['max_ms']:.0f} "
             f"| {r['samples_per_second']:.0f} | {_fmt(r.get('speedup_vs_sync'), '.2f')}x "
             f"| {r['scaling_efficiency']:.2f} | {r['payload_bytes_per_step'] / 1e6:.3f} | {_fmt(link_mb, '.3f')} "
             f"| {_fmt(r.get('link_over_payload'), '.3f')} | {_fmt(r.get('predicted_ms'), '.1f')} "
-            f"| {_fmt(r.get('measured_over_predicted'), '.2f')} |")
+            f"| {_fmt(r.get('measured_over_predicted'), '.2f')} |" + target)
     return "\n".join(lines) + "\n"
 
 

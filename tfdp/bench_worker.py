@@ -6,6 +6,7 @@ over those steps and, on emulated hosts, the bytes that crossed this host's link
 (``/sys/class/net/$HOROVOD_GLOO_IFACE/statistics/tx_bytes``) over the same steps.
 
     python -m tfdp.bench_worker --preset sync --workload mlp --params 6e6 --out /tmp/r.json
+    python -m tfdp.bench_worker --preset sync --workload digits --target-accuracy 0.95 --out /tmp/d.json
 """
 
 import argparse
@@ -56,7 +57,7 @@ def build_cnn(_params=None):
     ])
 
 
-WORKLOADS = {"mlp": build_mlp, "cnn": build_cnn}
+WORKLOADS = {"mlp": build_mlp, "cnn": build_cnn, "digits": None}  # digits: see _train_digits
 
 
 class StepProbe(keras.callbacks.Callback):
@@ -89,25 +90,80 @@ class StepProbe(keras.callbacks.Callback):
         self._mark()
 
 
-def run(preset, workload, params, batch_size, steps, warmup_steps):
-    strategy = tfdp.strategy(preset)
-    # A preset's own dense warm-up steps are not its steady state.
-    warmup_steps += tfdp.presets.load_preset(preset)["options"].get("warmup_steps", 0)
-    keras.utils.set_random_seed(0)
+def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe):
     with strategy.scope():
         model = WORKLOADS[workload](params)
         model.compile(optimizer=keras.optimizers.SGD(1e-3), jit_compile=False,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    total = warmup_steps + steps
     # `batch_size` is per worker, so every job does the same work per worker and step.
     global_batch = batch_size * strategy.num_replicas_in_sync
-    x = np.random.default_rng(0).normal(size=(total * global_batch, *model.input_shape[1:])).astype("float32")
-    y = np.random.default_rng(1).integers(0, CLASSES, size=total * global_batch)
-    probe = StepProbe(strategy)
+    x = np.random.default_rng(0).normal(size=(total_steps * global_batch, *model.input_shape[1:])).astype("float32")
+    y = np.random.default_rng(1).integers(0, CLASSES, size=total_steps * global_batch)
     model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[probe])
+    return model, {}
+
+
+class EpochClock(keras.callbacks.Callback):
+    """Seconds since the start of `fit` and validation accuracy at the end of every epoch."""
+
+    def on_train_begin(self, logs=None):
+        self.start, self.epochs = time.perf_counter(), []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append((time.perf_counter() - self.start, float(logs["val_accuracy"])))
+
+
+def _train_digits(strategy, batch_size, probe, target_accuracy, epochs):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype("float32")[..., None]
+    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.2, random_state=0,
+                                                        stratify=digits.target)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(2e-3), jit_compile=False, metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    clock = EpochClock()
+    model.fit(x_train, y_train, batch_size=batch_size * strategy.num_replicas_in_sync, epochs=epochs, verbose=0,
+              validation_data=(x_test, y_test), callbacks=[probe, clock])
+    reached = [(seconds, epoch) for epoch, (seconds, accuracy) in enumerate(clock.epochs, 1)
+               if accuracy >= target_accuracy]
+    return model, {
+        "target_accuracy": target_accuracy, "final_accuracy": clock.epochs[-1][1],
+        "seconds_to_target": reached[0][0] if reached else None,
+        "epochs_to_target": reached[0][1] if reached else None,
+    }
+
+
+def run(preset, workload, params, batch_size, steps, warmup_steps, target_accuracy=0.95, epochs=20):
+    """Train `workload` with preset `preset`; return the timing summary (a dict).
+
+    Synthetic workloads time `steps` steps after `warmup_steps`; digits trains `epochs`
+    epochs, times every step after `warmup_steps` and records when the test accuracy first
+    reaches `target_accuracy`.
+    """
+    strategy = tfdp.strategy(preset)
+    # A preset's own dense warm-up steps are not its steady state.
+    warmup_steps += tfdp.presets.load_preset(preset)["options"].get("warmup_steps", 0)
+    keras.utils.set_random_seed(0)
+    probe = StepProbe(strategy)
+    if workload == "digits":
+        model, extra = _train_digits(strategy, batch_size, probe, target_accuracy, epochs)
+    else:
+        model, extra = _train_synthetic(strategy, workload, params, batch_size, warmup_steps + steps, probe)
     if hasattr(strategy, "finish"):
         strategy.finish(model.optimizer)
     timed = probe.marks[warmup_steps:]
+    steps = len(timed) - 1
     seconds = [b[0] - a[0] for a, b in zip(timed, timed[1:])]
     span = timed[-1][0] - timed[0][0]
     link = None if timed[0][2] is None else (timed[-1][2] - timed[0][2]) / steps
@@ -119,7 +175,9 @@ def run(preset, workload, params, batch_size, steps, warmup_steps):
         "payload_bytes_per_step": (timed[-1][1] - timed[0][1]) / steps,
         "gradient_bytes_per_step": (timed[-1][3] - timed[0][3]) / steps,
         "link_bytes_per_step": link,
-        "threads": int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0")), "shapes": [list(v.shape) for v in model.trainable_variables],
+        "threads": int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0")),
+        "shapes": [list(v.shape) for v in model.trainable_variables],
+        **extra,
     }
 
 
@@ -131,9 +189,12 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--target-accuracy", type=float, default=0.95)
+    parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    result = run(args.preset, args.workload, int(args.params), args.batch_size, args.steps, args.warmup_steps)
+    result = run(args.preset, args.workload, int(args.params), args.batch_size, args.steps, args.warmup_steps,
+                 args.target_accuracy, args.epochs)
     if int(os.environ.get("HOROVOD_RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

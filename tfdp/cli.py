@@ -57,12 +57,15 @@ def _bench(args):
         if args.rate_mbit <= 0:
             raise ValueError(f"--rate-mbit must be > 0. Received: {args.rate_mbit}")
         check_available()
-    for name in ("steps", "batch_size", "threads"):
+    if not 0 < args.target_accuracy <= 1:
+        raise ValueError(f"--target-accuracy must be in (0, 1]. Received: {args.target_accuracy}")
+    for name in ("steps", "batch_size", "threads", "epochs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
     bench.run_bench(args.presets, workers=args.np, rate_mbit=args.rate_mbit, workload=args.workload,
                     params=args.params, batch_size=args.batch_size, steps=args.steps,
-                    warmup_steps=args.warmup_steps, threads=args.threads, out_dir=args.out, timeout=args.timeout)
+                    warmup_steps=args.warmup_steps, threads=args.threads, out_dir=args.out, timeout=args.timeout,
+                    target_accuracy=args.target_accuracy, epochs=args.epochs)
     print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, bench.png (worker output: bench.log)")
     return 0
@@ -110,13 +113,16 @@ def build_parser():
     bench.add_argument("-np", type=int, default=2, help="number of workers (>= 2)")
     bench.add_argument("--rate-mbit", type=float, help="emulated hosts with this link rate (root); "
                        "default: loopback")
-    bench.add_argument("--workload", choices=["mlp", "cnn"], default="mlp")
+    bench.add_argument("--workload", choices=["mlp", "cnn", "digits"], default="mlp",
+                       help="digits: real data, also reports the time to --target-accuracy")
     bench.add_argument("--params", type=float, default=6e6, help="parameter count of the mlp workload")
     bench.add_argument("--batch-size", type=int, default=32, help="per worker")
     bench.add_argument("--steps", type=int, default=8, help="timed steps per preset")
     bench.add_argument("--warmup-steps", type=int, default=3, help="untimed steps (plus the preset's own)")
     bench.add_argument("--threads", type=int, default=1, help="TensorFlow threads per worker")
     bench.add_argument("--timeout", type=float, default=900, help="seconds per job before it is ended")
+    bench.add_argument("--target-accuracy", type=float, default=0.95, help="digits only")
+    bench.add_argument("--epochs", type=int, default=20, help="digits only")
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(handler=_bench)
     return parser
