@@ -24,6 +24,8 @@ BOUND_SECONDS = 90
         ("extra-layer", "the model differs across workers"),
         ("jit", "Pass jit_compile=False"),
         ("tiny-batch", "The global batch size 1 is smaller than the number of workers (2)"),
+        ("input-dtype", "The workers' inputs differ in shape or dtype: ranks [1] do not match rank 0"),
+        ("input-shape", "The workers' inputs differ in shape or dtype: ranks [1] do not match rank 0"),
     ],
 )
 def test_bad_input_fails_on_every_rank(case, message):

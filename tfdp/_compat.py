@@ -233,7 +233,8 @@ def _patch_epoch_iterator():
     # keras/src/backend/tensorflow/trainer.py: `TFEpochIterator.__init__(distribute_strategy,
     # ...)` distributes the adapter's dataset; keras/src/trainers/epoch_iterator.py runs
     # `data_adapter.num_batches` steps per epoch. Ranks with different numbers of batches
-    # would deadlock; the strategy agrees on the fewest and every rank runs that many.
+    # would deadlock; the strategy agrees on the fewest and every rank runs that many, and
+    # checks that every rank's inputs have the same shapes and dtypes.
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     original = tf_trainer.TFEpochIterator.__init__
@@ -242,15 +243,13 @@ def _patch_epoch_iterator():
     def __init__(self, distribute_strategy=None, *args, **kwargs):
         original(self, distribute_strategy, *args, **kwargs)
         extended = getattr(distribute_strategy, "extended", None)
-        agree = getattr(extended, "agree_num_batches", None)
+        agree = getattr(extended, "agree_on_inputs", None)
         if agree is None:
             return
         extended.check_batch_size(getattr(self.data_adapter, "batch_size", None))
-        if self.steps_per_epoch:
-            return
-        mine = self.data_adapter.num_batches
-        fewest = agree(mine)
-        if fewest != mine:
+        mine = None if self.steps_per_epoch else self.data_adapter.num_batches
+        fewest = agree(mine, self._distributed_dataset.element_spec)
+        if not self.steps_per_epoch and fewest != mine:
             self._distributed_dataset = self._distributed_dataset.take(fewest)
             self.data_adapter = _FewerBatches(self.data_adapter, fewest)
             self._num_batches = fewest

@@ -40,6 +40,11 @@ def _describe_signature(row):
     return f"dtype={tf.dtypes.as_dtype(int(row[1])).name}, shape={dims}, name-hash={int(row[0])}"
 
 
+def _describe_spec(element_spec):
+    """`dtype[shape without the batch axis]` of every input tensor, e.g. 'float32[4], int64[]'."""
+    return ", ".join(f"{spec.dtype.name}{list(spec.shape)[1:]}" for spec in tf.nest.flatten(element_spec))
+
+
 class HorovodExtended(mirrored_strategy.MirroredExtended):
     """`tf.distribute` internals of the tfdp strategies: one local replica per Horovod worker."""
 
@@ -185,18 +190,28 @@ class HorovodExtended(mirrored_strategy.MirroredExtended):
                 f"({self._size}): every worker needs at least one row per batch. The batch_size "
                 f"passed to fit/evaluate/predict is the global batch; use batch_size >= {self._size}.")
 
-    def agree_num_batches(self, count):
-        """Return the fewest global batches per epoch of any rank (called by tfdp._compat).
+    def agree_on_inputs(self, count, element_spec):
+        """Check the ranks' inputs match; return the fewest global batches per epoch (tfdp._compat).
 
-        `count` is this rank's number (None: unknown). Without this a rank with more
-        batches would wait forever in an all-reduce that the others never join. Rule:
-        a rank with more batches drops its last ones, every epoch, and says so on
-        stderr; no rows are padded.
+        `count` is this rank's number of batches (None: unknown); `element_spec` its input
+        structure. Inputs of different shapes or dtypes are an error on every rank. Without
+        agreeing on the count, a rank with more batches would wait forever in an all-reduce
+        the others never join. Rule: a rank with more batches drops its last ones, every
+        epoch, and says so on stderr; no rows are padded.
         """
         if self._size == 1:
             return count
+        spec = _describe_spec(element_spec)
         mine = -1 if count is None else int(count)
-        counts = self.communicator.allgather(tf.constant([mine], tf.int64)).numpy().tolist()
+        gathered = self.communicator.allgather(
+            tf.constant([[mine, zlib.crc32(spec.encode())]], tf.int64)).numpy().tolist()
+        counts, fingerprints = [c for c, _ in gathered], [f for _, f in gathered]
+        differ = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+        if differ:
+            raise ValueError(
+                f"The workers' inputs differ in shape or dtype: ranks {differ} do not match rank 0 "
+                f"(this is rank {self._rank}, whose inputs are {spec}). Pass inputs of the same "
+                f"shapes and dtypes on every rank.")
         if len(set(counts)) == 1:
             return count
         if min(counts) < 0:

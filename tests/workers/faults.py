@@ -6,6 +6,8 @@
     --case die               rank 1 SIGKILLs itself during fit
     --case stall             rank 1 stops (sleeps) during fit without exiting
     --case tiny-batch        a global batch of 1 for 2 workers
+    --case input-dtype       rank 1 passes int32 inputs (Keras casts float64 to float32 itself)
+    --case input-shape       rank 1 passes 5 features (the model takes 4)
 """
 
 import argparse
@@ -45,7 +47,9 @@ def main():
             layers.append(keras.layers.Dense(1))
         model = keras.Sequential(layers)
         model.compile(optimizer="sgd", loss="mse", jit_compile=args.case == "jit")
-    x = np.ones((4096, 4), "float32")
+    features = 5 if (args.case == "input-shape" and rank() == 1) else 4
+    dtype = "int32" if (args.case == "input-dtype" and rank() == 1) else "float32"
+    x = np.ones((4096, features), dtype)
     callbacks = {"die": [DieAtBatch()], "stall": [StallAtBatch()]}.get(args.case, [])
     model.fit(x, x[:, :1], batch_size=1 if args.case == "tiny-batch" else 8, epochs=50, verbose=0, callbacks=callbacks)
 
