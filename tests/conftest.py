@@ -49,6 +49,14 @@ def run_workers(script, np_=2, args=(), timeout=240, env=None):
     return _run(cmd, timeout, env)
 
 
+def run_elastic(script, np_, min_np, max_np, discovery, args=(), timeout=300, env=None):
+    """Run `tests/workers/<script>` under horovodrun's elastic mode with discovery script `discovery`."""
+    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
+           "--host-discovery-script", str(WORKERS / discovery), "--gloo",
+           sys.executable, str(WORKERS / script), *map(str, args)]
+    return _run(cmd, timeout, env)
+
+
 def run_plain(script, args=(), timeout=240, env=None):
     """Run `tests/workers/<script>` as one plain process (no horovodrun)."""
     return _run([sys.executable, str(WORKERS / script), *map(str, args)], timeout, env)

@@ -24,6 +24,13 @@ import keras
 TIMEOUT_ENV = "TFDP_STEP_TIMEOUT_SECONDS"
 DEFAULT_TIMEOUT_SECONDS = 120.0
 EXIT_CODE = 75
+_active = set()
+
+
+def stop_all():
+    """Stop every running watchdog (a `fit` that raised never reaches on_train_end)."""
+    for dog in list(_active):
+        dog.on_train_end()
 
 
 def timeout_from_env():
@@ -52,6 +59,7 @@ class StepWatchdog(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._first = True
         self._stop.clear()
+        _active.add(self)
         threading.Thread(target=self._watch, daemon=True, name="tfdp-step-watchdog").start()
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -65,6 +73,8 @@ class StepWatchdog(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._stop.set()
+        self._started = None
+        _active.discard(self)
 
     def _watch(self):
         while not self._stop.wait(0.5):

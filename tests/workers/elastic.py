@@ -1,0 +1,87 @@
+"""Elastic digits training with tfdp.elastic.
+
+    --die-rank R        rank R SIGKILLs itself in epoch 2 (first incarnation only)
+    --grow-hosts-file F rank 0 adds the host of --grow-host to discovery file F in epoch 2
+
+Rank 0 writes rank0.json to --out: test accuracy, final world size, resets, epochs run.
+"""
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from _common import write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import keras  # noqa: E402
+
+import tfdp  # noqa: E402
+import tfdp.elastic  # noqa: E402
+from digits import build_model, load_data  # noqa: E402
+
+EPOCHS = 12
+
+
+class DieInEpoch2(keras.callbacks.Callback):
+    def __init__(self, state, rank):
+        super().__init__()
+        self.state, self.rank = state, rank
+
+    def on_train_batch_begin(self, batch, logs=None):
+        import horovod.tensorflow as hvd
+
+        if self.state.resets == 0 and hvd.rank() == self.rank and self.epoch == 2 and batch == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+
+class GrowInEpoch2(keras.callbacks.Callback):
+    def __init__(self, state, hosts_file, host):
+        super().__init__()
+        self.state, self.hosts_file, self.host = state, hosts_file, host
+
+    def on_epoch_begin(self, epoch, logs=None):
+        import horovod.tensorflow as hvd
+
+        if epoch == 2 and hvd.rank() == 0 and self.state.resets == 0:
+            with open(self.hosts_file, "a") as f:
+                f.write(f"{self.host}:1\n")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--die-rank", type=int)
+    parser.add_argument("--grow-hosts-file")
+    parser.add_argument("--grow-host", default="127.0.0.1")
+    args = parser.parse_args()
+    keras.utils.set_random_seed(0)
+    x_train, y_train, x_test, y_test = load_data(0)
+    state = tfdp.elastic.KerasState(lambda: build_model(2e-3))
+
+    @tfdp.elastic.run
+    def train(state):
+        callbacks = [tfdp.elastic.CommitEvery(state, batches=5)]
+        if args.die_rank is not None:
+            callbacks.append(DieInEpoch2(state, args.die_rank))
+        if args.grow_hosts_file:
+            callbacks.append(GrowInEpoch2(state, args.grow_hosts_file, args.grow_host))
+        state.model.fit(x_train, y_train, batch_size=64, epochs=EPOCHS, initial_epoch=state.epoch,
+                        verbose=0, callbacks=callbacks)
+
+    train(state)
+    _, accuracy = state.model.evaluate(x_test, y_test, batch_size=64, verbose=0)
+    import horovod.tensorflow as hvd
+
+    if hvd.rank() == 0:
+        write_result(args.out, {"accuracy": float(accuracy), "size": hvd.size(), "resets": state.resets,
+                                "epoch": state.epoch, "sizes": state.sizes})
+
+
+if __name__ == "__main__":
+    main()
