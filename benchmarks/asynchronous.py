@@ -16,16 +16,14 @@ ms/step, and the ratios that issue 4 asks about:
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+import _launch
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_async_worker.py"
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TFDP_VERBOSE_WORKERS": "1"}
 LABELS = {
     "mirrored": "tfdp.MirroredStrategy, no delay (graph all-reduce)",
     "compute-only": "AsyncStrategy(staleness=0), no delay",
@@ -36,13 +34,7 @@ LABELS = {
 
 
 def run_job(out, extra):
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    cmd = [str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(WORKER),
-           "--out", str(out), *extra]
-    run = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=3600)
-    if run.returncode:
-        raise RuntimeError(f"benchmark job failed:\n{run.stdout[-4000:]}")
-    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return _launch.run_job(WORKER, out, extra, timeout=3600)
 
 
 def per_round(ranks, name, field):

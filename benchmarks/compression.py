@@ -15,29 +15,21 @@ emulated hosts for that).
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+import _launch
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_digits_worker.py"
 CONFIGS = ["sync", "fp16", "bf16", "qsgd", "randomk-10pct", "topk-1pct", "efsign", "powersgd-r2",
            "powersgd-r4", "topk-0.1pct-no-ef"]
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TFDP_VERBOSE_WORKERS": "1"}
 
 
 def run_job(out, args):
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    cmd = [str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(WORKER),
-           "--out", str(out), "--optimizer", args.optimizer, "--epochs", str(args.epochs),
-           "--seeds", *map(str, args.seeds), "--configs", *CONFIGS]
-    run = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=7200)
-    if run.returncode:
-        raise RuntimeError(f"benchmark job failed:\n{run.stdout[-4000:]}")
-    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return _launch.run_job(WORKER, out, ["--optimizer", args.optimizer, "--epochs", args.epochs,
+                                         "--seeds", *args.seeds, "--configs", *CONFIGS], timeout=7200)
 
 
 def summarise(ranks):

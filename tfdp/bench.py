@@ -16,7 +16,6 @@ Example (as root, for emulated hosts):
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
