@@ -84,3 +84,18 @@ def test_digits_bench_reports_the_time_to_a_target_accuracy(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((tmp_path / "unreached" / "bench.json").read_text())["rows"][0]["seconds_to_target"] is None
     assert "not reached" in (tmp_path / "unreached" / "bench.md").read_text()
+
+
+@needs_root
+def test_advise_check_measures_its_recommendation_against_sync(tmp_path):
+    out, _ = tfdp_cli("advise", "--params", "1e6", "--bandwidth-mbit", "100", "--compute-ms", "20", "--check",
+                      "--check-steps", "4", "--check-out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    recommended = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("recommended:"))
+    report = json.loads((tmp_path / "bench.json").read_text())
+    measured = {row["preset"]: row for row in report["rows"]}
+    assert set(measured) == {recommended, "sync"}
+    assert measured["sync"]["measured_over_predicted"] == pytest.approx(1.0, abs=0.25)
+    # The recommendation was right: it measured faster than sync on this link.
+    assert measured[recommended]["median_ms"] < measured["sync"]["median_ms"]
+    assert "measured/predicted" in out.stdout

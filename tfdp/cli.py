@@ -2,8 +2,9 @@
 
     tfdp presets                                   list strategy presets
     tfdp run -np 2 [--strategy P] script.py ...    horovodrun with preset P
-    tfdp advise --params 5e6 --bandwidth-mbit 100 --compute-ms 40 [-np 2]
+    tfdp advise --params 5e6 --bandwidth-mbit 100 --compute-ms 40 [-np 2] [--check]
                                                    predicted time per step of each preset
+                                                   (--check: measure it on emulated hosts)
     tfdp bench --presets sync topk-1pct -np 2 [--rate-mbit 100] [--params 6e6] [--out DIR]
                                                    measure presets side by side (JSON, markdown, PNG)
 """
@@ -46,7 +47,29 @@ def _advise(args):
         print(f"{row.preset:<16} {1000 * row.seconds_per_step:>9.1f} {1000 * row.communication_seconds:>9.1f} "
               f"{row.bytes_sent / 1e6:>9.3f}")
     print(f"recommended: {rows[0].preset}")
+    if args.check:
+        _check_advice(args, rows[0].preset)
     return 0
+
+
+def _check_advice(args, recommended):
+    """Measure the recommended preset and sync on emulated hosts at the given bandwidth."""
+    from tfdp import bench
+    from tfdp.network import check_available
+
+    if args.params is None:
+        raise ValueError("--check measures the mlp workload: give the model as --params COUNT.")
+    check_available()
+    names = list(dict.fromkeys([recommended, "sync"]))
+    print(f"checking on {args.np} emulated hosts at {args.bandwidth_mbit:g} Mbit/s ({args.check_steps} steps each)...")
+    rows = bench.run_bench(names, workers=args.np, rate_mbit=args.bandwidth_mbit, params=args.params,
+                           steps=args.check_steps, out_dir=args.check_out)
+    print(f"measured compute {rows[0]['compute_ms']:.1f} ms/step (one worker alone)")
+    print(f"{'preset':<16} {'predicted ms':>13} {'measured ms':>12} {'measured/predicted':>19}")
+    for row in rows:
+        print(f"{row['preset']:<16} {row['predicted_ms']:>13.1f} {row['median_ms']:>12.1f} "
+              f"{row['measured_over_predicted']:>19.2f}")
+    print(f"(predictions use the measured compute time; report in {args.check_out}/)")
 
 
 def _bench(args):
@@ -107,6 +130,10 @@ def build_parser():
     advise.add_argument("--compute-ms", type=float, required=True, help="measured compute time per step")
     advise.add_argument("--latency-ms", type=float, default=0.1, help="latency per collective")
     advise.add_argument("-np", type=int, default=2, help="number of workers")
+    advise.add_argument("--check", action="store_true",
+                        help="measure the recommended preset and sync on emulated hosts (root; --params only)")
+    advise.add_argument("--check-steps", type=int, default=6, help="timed steps per preset for --check")
+    advise.add_argument("--check-out", default="advise-check", help="where --check writes its bench report")
     advise.set_defaults(handler=_advise)
     bench = commands.add_parser("bench", help="measure presets side by side on loopback or emulated hosts")
     bench.add_argument("--presets", nargs="+", default=["sync", "topk-1pct", "powersgd-r4", "async-s1"])
