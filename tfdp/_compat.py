@@ -36,13 +36,20 @@ def gradients_reduced():
         _state.reduced = previous
 
 
+def _reducer_to_apply(optimizer):
+    """`optimizer`'s reducer, or None when there is none or the gradients are already reduced."""
+    if getattr(_state, "reduced", False):
+        return None
+    return gradient_reducer(optimizer)
+
+
 def _reduce_first(method):
     """Wrap `method(self, grads, ...)` so that grads are reduced across workers first."""
 
     @functools.wraps(method)
     def wrapper(self, grads, *args, **kwargs):
-        reducer = gradient_reducer(self)
-        if reducer is None or getattr(_state, "reduced", False):
+        reducer = _reducer_to_apply(self)
+        if reducer is None:
             return method(self, grads, *args, **kwargs)
         grads = reducer(list(grads))
         with gradients_reduced():
@@ -69,8 +76,9 @@ def _update_unless_nonfinite(method, optimizer, grads, trainable_variables, coun
     if optimizer.gradient_accumulation_steps:
         raise ValueError("`skip_nonfinite=True` does not support `gradient_accumulation_steps`; "
                          "use a larger batch, or skip_nonfinite=False.")
-    reducer = gradient_reducer(optimizer)
-    grads = reducer(list(grads)) if reducer is not None and not getattr(_state, "reduced", False) else grads
+    reducer = _reducer_to_apply(optimizer)
+    if reducer is not None:
+        grads = reducer(list(grads))
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
 
     def update():

@@ -60,11 +60,15 @@ def check_available():
             raise NetworkEmulationUnavailable(f"`{tool}` (iproute2) is not installed; it is needed for emulated hosts.")
 
 
+def _namespaces():
+    """Names of all network namespaces (`ip netns list` prints `name (id: N)` per line)."""
+    return [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
+
+
 def remove_leftovers(prefix=PREFIX):
     """Delete namespaces and bridges named by tfdp (e.g. after a SIGKILLed launcher). Returns their names."""
     removed = []
-    for line in _ip("netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.strip() else ""
+    for name in _namespaces():
         if re.fullmatch(rf"{prefix}\d+-\d+", name):
             _ip("netns", "del", name, check=False)
             removed.append(name)
@@ -81,9 +85,7 @@ def remove_leftovers(prefix=PREFIX):
 
 def tfdp_network_objects(prefix=PREFIX):
     """Names of tfdp namespaces and links that exist now."""
-    namespaces = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
-    links = os.listdir(_SYS_NET)
-    return sorted(n for n in namespaces + links if n.startswith(prefix))
+    return sorted(n for n in _namespaces() + os.listdir(_SYS_NET) if n.startswith(prefix))
 
 
 @dataclass(frozen=True)
