@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tfdp import advisor, cli
+from tfdp.tools import advisor, cli
 
 MATRIX = [(1000, 1000)]  # 4,000,000 bytes as float32
 B = 1e6  # bytes/s

@@ -141,7 +141,8 @@ def test_saved_model_loads_without_tfdp(results):
                                           ("qsgd", "qsgd"), ("efsign", "efsign")])
 def test_advisor_predicts_the_measured_payload(results, name, preset):
     # tfdp advise computes payloads from the codecs; they must match what was sent.
-    from tfdp import advisor, presets
+    from tfdp import presets
+    from tfdp.tools import advisor
 
     _, (rank0, _) = results
     case = rank0[name]

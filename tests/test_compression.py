@@ -10,10 +10,10 @@ import tensorflow as tf
 
 from tfdp import compression
 import tfdp
-from tfdp.comm import CommunicationStats, Communicator
+from tfdp.comm.fake import fake_group
 from tfdp.compression import QSGD, Cast, EFSign, ErrorFeedback, PowerSGD, RandomK, TopK
 from tfdp.compression.codecs import pack_signs, unpack_signs
-from tfdp.compression.reducer import CompressedGradients
+from tfdp.reducers import CompressedGradients, ReducerState
 
 
 def gradient(n=1000, seed=0):
@@ -87,7 +87,7 @@ def test_qsgd_error_within_bound_and_int8_payload():
 
 
 def test_error_feedback_holds_exactly_what_was_not_sent():
-    memory, codec = ErrorFeedback(), TopK(ratio=0.01)
+    memory, codec = ErrorFeedback(ReducerState(one_worker_communicator())), TopK(ratio=0.01)
     x = gradient()
     corrected = memory.compensate("dense/kernel", x)
     np.testing.assert_array_equal(corrected.numpy(), x.numpy())  # Nothing owed yet.
@@ -151,16 +151,20 @@ def test_efsign_sums_gathered_workers():
 
 
 def one_worker_communicator():
-    return Communicator(CommunicationStats())
+    return fake_group(1)[0]
+
+
+def variables(*tensors):
+    return [tf.Variable(tf.zeros_like(t), name=f"v{i}") for i, t in enumerate(tensors)]
 
 
 def test_powersgd_is_exact_on_a_matrix_of_its_rank_and_warm_starts():
     rng = np.random.default_rng(5)
     low_rank = tf.constant((rng.normal(size=(64, 2)) @ rng.normal(size=(2, 48))).astype("float32"))
     bias = tf.constant(rng.normal(size=48).astype("float32"))
-    codec = PowerSGD(rank=2)
-    q0 = codec._warm_q("w", 48).numpy()
-    summed, sent = codec.exchange([low_rank, bias], ["w", "b"], 0, one_worker_communicator())
+    codec, state = PowerSGD(rank=2), ReducerState(one_worker_communicator())
+    q0 = codec._warm_q(state, "w", 0, 48).numpy()
+    summed, sent = codec.exchange([low_rank, bias], ["w", "b"], 0, state.communicator, state)
     np.testing.assert_allclose(summed[0].numpy(), low_rank.numpy(), atol=1e-4)
     np.testing.assert_array_equal(summed[1].numpy(), bias.numpy())  # Vectors go dense.
     np.testing.assert_allclose(sent[0].numpy(), summed[0].numpy(), atol=1e-5)  # One worker.
@@ -168,16 +172,16 @@ def test_powersgd_is_exact_on_a_matrix_of_its_rank_and_warm_starts():
     assert codec.payload_bytes(bias.shape) == 48 * 4
     # Warm start: the Q kept for the next step is M^T orth(M Q0).
     p_orth = np.linalg.qr(low_rank.numpy() @ q0)[0]
-    np.testing.assert_allclose(np.abs(codec._q["w"].numpy()), np.abs(low_rank.numpy().T @ p_orth), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.abs(state.variable("w/powersgd_q", None).numpy()), np.abs(low_rank.numpy().T @ p_orth), rtol=1e-4, atol=1e-4)
 
 
 def test_powersgd_error_shrinks_over_steps_on_a_fixed_matrix():
     # Power iteration: with a warm-started Q the rank-2 approximation of a fixed
     # full-rank matrix approaches the best rank-2 one (the truncated SVD).
     m = tf.constant(np.random.default_rng(6).normal(size=(40, 30)).astype("float32"))
-    codec, errors = PowerSGD(rank=2), []
+    codec, errors, state = PowerSGD(rank=2), [], ReducerState(one_worker_communicator())
     for step in range(30):
-        summed, _ = codec.exchange([m], ["w"], step, one_worker_communicator())
+        summed, _ = codec.exchange([m], ["w"], step, state.communicator, state)
         errors.append(float(tf.norm(m - summed[0])))
     u, s, vt = np.linalg.svd(m.numpy())
     best = np.linalg.norm(m.numpy() - (u[:, :2] * s[:2]) @ vt[:2])
@@ -191,11 +195,12 @@ def test_reducer_error_feedback_sends_everything_eventually():
     x = gradient(100)
     reducer = CompressedGradients(one_worker_communicator(), TopK(ratio=0.1), error_feedback=True,
                                   min_compress_bytes=0)
-    delivered = [reducer([x])[0].numpy() for _ in range(50)]
+    v = variables(x)
+    delivered = [reducer.reduce([x], v)[0].numpy() for _ in range(50)]
     np.testing.assert_allclose(np.mean(delivered, axis=0), x.numpy(), atol=np.abs(x.numpy()).max() * 0.25)
     without = CompressedGradients(one_worker_communicator(), TopK(ratio=0.1), error_feedback=False,
                                   min_compress_bytes=0)
-    dropped = np.mean([without([x])[0].numpy() for _ in range(50)], axis=0)
+    dropped = np.mean([without.reduce([x], v)[0].numpy() for _ in range(50)], axis=0)
     assert np.count_nonzero(dropped) == 10  # Negative control: the same 10 entries forever.
 
 
@@ -203,10 +208,11 @@ def test_reducer_warmup_is_dense_then_compressed_and_small_tensors_stay_dense():
     x, bias = gradient(1000), tf.constant(np.arange(1.0, 11.0, dtype="float32"))
     reducer = CompressedGradients(one_worker_communicator(), TopK(ratio=0.01), error_feedback=False,
                                   warmup_steps=2, min_compress_bytes=1024)
+    v = variables(x, bias)
     for _ in range(2):
-        dense, dense_bias = reducer([x, bias])
+        dense, dense_bias = reducer.reduce([x, bias], v)
         np.testing.assert_array_equal(dense.numpy(), x.numpy())
-    sparse, sparse_bias = reducer([x, bias])
+    sparse, sparse_bias = reducer.reduce([x, bias], v)
     assert np.count_nonzero(sparse.numpy()) == 10
     np.testing.assert_array_equal(sparse_bias.numpy(), bias.numpy())  # 40 bytes < 1024: dense.
 

@@ -11,8 +11,9 @@ import psutil
 import pytest
 from conftest import QUIET_ENV, WORKERS
 
-from tfdp import network
-from tfdp.launcher import _rendezvous, launch
+from tfdp._compat.horovod import start_rendezvous
+from tfdp.tools import network
+from tfdp.tools.launcher import launch
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (CAP_NET_ADMIN)")
 pytestmark = pytest.mark.multiprocess
@@ -55,7 +56,7 @@ def test_bad_arguments_name_the_problem():
 
 
 def test_rendezvous_listens_on_the_given_address_only():
-    server, port, _ = _rendezvous("127.0.0.1", "localhost:1")
+    server, port, _ = start_rendezvous("127.0.0.1", "localhost:1")
     try:
         assert server.server_address == ("127.0.0.1", port)
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -104,7 +105,7 @@ def test_timeout_ends_a_hung_job_and_the_network_is_removed():
 
 @needs_root
 def test_ctrl_c_removes_workers_and_network():
-    code = ("import sys; from tfdp.launcher import launch\n"
+    code = ("import sys; from tfdp.tools.launcher import launch\n"
             f"launch({WORKER + ['--case', 'hang']!r}, 2, rate_mbit=100, timeout=120, tag=90004)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=ENV)

@@ -6,15 +6,20 @@ Change the strategy line, launch with ``horovodrun -np N``::
     with strategy.scope():
         model = build_and_compile_model()
     model.fit(x, y, batch_size=64)          # global batch
+
+Layers, each importing only those below it: ``_compat`` (private TF/Keras/Horovod
+access) → ``comm`` (collectives, counted) → ``compression`` (codecs) → ``reducers``
+(what happens to gradients) → ``strategies`` (tf.distribute glue) → ``keras``
+(optimizer wrapper, callbacks, elastic) → ``presets`` and ``tools`` (CLI, launcher,
+benchmarks, advisor).
 """
 
-from tfdp import callbacks, compression
-from tfdp.optimizer import DistributedOptimizer
+from tfdp import compression
+from tfdp.keras import DistributedOptimizer, callbacks
 from tfdp.presets import preset_names, strategy
 from tfdp.runtime import init, is_chief, local_rank, rank, size
-from tfdp.mirrored import MirroredStrategy
-from tfdp.compressed import CompressedStrategy
-from tfdp.asynchronous import AsyncStrategy
+from tfdp.strategies import AsyncStrategy, CompressedStrategy, MirroredStrategy
+from tfdp.strategies.output import restore_stdout, set_worker_stdout, worker_stdout
 
 __version__ = "0.1.0"
 
@@ -25,11 +30,24 @@ __all__ = [
     "MirroredStrategy",
     "callbacks",
     "compression",
+    "elastic",
     "init",
     "is_chief",
     "local_rank",
     "preset_names",
     "rank",
+    "restore_stdout",
+    "set_worker_stdout",
     "size",
     "strategy",
+    "worker_stdout",
 ]
+
+
+def __getattr__(name):
+    # `tfdp.elastic` loads Horovod's elastic machinery, so only when asked for.
+    if name == "elastic":
+        from tfdp.keras import elastic
+
+        return elastic
+    raise AttributeError(f"module 'tfdp' has no attribute {name!r}")

@@ -21,9 +21,7 @@ PRESET_KEYS = {"description": str, "strategy": str, "options": dict}
 
 
 def _strategy_classes():
-    from tfdp.asynchronous import AsyncStrategy
-    from tfdp.compressed import CompressedStrategy
-    from tfdp.mirrored import MirroredStrategy
+    from tfdp.strategies import AsyncStrategy, CompressedStrategy, MirroredStrategy
 
     return {"mirrored": MirroredStrategy, "compressed": CompressedStrategy, "async": AsyncStrategy}
 

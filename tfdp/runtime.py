@@ -7,7 +7,7 @@ Example:
     (0, 1)
 """
 
-from tfdp._horovod import horovod
+from tfdp._compat.horovod import horovod
 
 
 def init():

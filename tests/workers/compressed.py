@@ -87,7 +87,7 @@ def custom_loop(out):
     for v in model.trainable_variables:
         v.assign(v + 0.01 * tfdp.rank())
     optimizer = tfdp.DistributedOptimizer(keras.optimizers.SGD(0.05), compression="fp16")
-    communicator = tfdp.comm.Communicator(tfdp.comm.CommunicationStats())
+    communicator = tfdp.comm.HorovodCommunicator()
     for v in model.trainable_variables:
         v.assign(communicator.broadcast(tf.convert_to_tensor(v)))
     x, y = data()

@@ -57,7 +57,7 @@ def main():
         return
 
     import tfdp
-    from tfdp.data import rank_rows
+    from tfdp.strategies.data import rank_rows
 
     size = tfdp.size()
 

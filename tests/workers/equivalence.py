@@ -75,9 +75,15 @@ def strategy_for(mode):
         return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     import tfdp
 
+    from tfdp.reducers import GradientReducer
+
+    class KeepLocalGradients(GradientReducer):
+        def _reduce(self, grads, variables):
+            return grads
+
     strategy = tfdp.MirroredStrategy()
     if mode == "no-average":
-        strategy.extended.gradient_reducer = lambda grads: grads
+        strategy.extended.gradient_reducer = KeepLocalGradients(strategy.extended.communicator)
     return strategy
 
 

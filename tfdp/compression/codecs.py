@@ -7,7 +7,8 @@ that stacked payload and returns the sum of every worker's tensor.
 
 `Codec.exchange` runs the whole round for a list of gradients (one grouped collective
 per payload dtype) and also returns what this worker sent, which error feedback needs.
-Codecs whose exchange takes more than one round (PowerSGD) override it.
+Codecs whose exchange takes more than one round or keeps state between steps (PowerSGD)
+override it; their state lives in the reducer's `ReducerState`, passed in as `state`.
 
 Example:
     >>> codec = TopK(ratio=0.01)
@@ -40,14 +41,16 @@ class Codec:
         """Shape `payload` as the exchange would deliver it if this worker were alone."""
         return list(payload) if self.summable else [p[None] for p in payload]
 
-    def exchange(self, tensors, keys, step, communicator):
+    def exchange(self, tensors, keys, step, communicator, state=None):
         """Exchange `tensors` (this worker's gradients, one per key) with every worker.
+
+        `state` is the reducer's `ReducerState`, for codecs that keep state per key.
 
         Returns:
             (summed, sent): the sum over workers of the decompressed gradients, and what
             this worker's payload decompresses to on its own.
         """
-        del keys  # Stateless: nothing is kept per variable.
+        del keys, state  # Stateless: nothing is kept per variable.
         compressed = [self.compress(t, step) for t in tensors]
         sent = [self.decompress(self.own(p), ctx) for p, ctx in compressed]
         flat = [p for payload, _ in compressed for p in payload]

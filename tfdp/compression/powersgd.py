@@ -3,13 +3,13 @@
 Vogels et al., https://arxiv.org/abs/1905.13727. Each matrix M (n x m; kernels are
 flattened to [prod(shape[:-1]), shape[-1]]) travels as P = M Q (n x r) and then
 Q = M^T P_orth (m x r): (n + m) r floats instead of n m. Q is kept between steps (warm
-start), so the approximation improves over steps like a power iteration. Vectors
+start, kept in the reducer's state and so in checkpoints), so the approximation improves
+over steps like a power iteration. Vectors
 (biases, norms) and matrices too small to gain go as dense float32.
 """
 
 import tensorflow as tf
 
-from tfdp._state import local_variable
 from tfdp.compression.codecs import Codec
 
 
@@ -41,7 +41,6 @@ class PowerSGD(Codec):
             raise ValueError(f"`rank` must be an integer >= 1. Received: rank={rank!r}")
         self.rank = rank
         self.seed = int(seed)
-        self._q = {}
 
     def compresses(self, shape):
         """True if a tensor of `shape` goes as P and Q (fewer bytes than dense)."""
@@ -55,19 +54,20 @@ class PowerSGD(Codec):
         n, m = matrix_shape(shape)
         return 4 * (n + m) * self.rank
 
-    def _warm_q(self, key, m):
-        if key not in self._q:
-            # The same seed on every rank: all workers start from the same Q.
-            seed = [self.seed, len(self._q)]
-            self._q[key] = local_variable(
-                lambda: tf.random.stateless_normal([m, self.rank], seed=seed), f"powersgd_q_{key}")
-        return self._q[key]
+    def _warm_q(self, state, key, position, m):
+        # Seeded by position, not by name: every rank starts from the same Q even when
+        # its variable names differ.
+        seed = [self.seed, position]
+        return state.variable(f"{key}/powersgd_q",
+                              lambda: tf.random.stateless_normal([m, self.rank], seed=seed))
 
-    def exchange(self, tensors, keys, step, communicator):
+    def exchange(self, tensors, keys, step, communicator, state=None):
+        if state is None:
+            raise ValueError("PowerSGD keeps Q between steps: pass the reducer's `state`.")
         chosen = [i for i, t in enumerate(tensors) if self.compresses(t.shape)]
         dense = [i for i in range(len(tensors)) if i not in chosen]
         matrices = [tf.reshape(tf.cast(tensors[i], tf.float32), matrix_shape(tensors[i].shape)) for i in chosen]
-        qs = [self._warm_q(keys[i], m.shape[1]) for i, m in zip(chosen, matrices)]
+        qs = [self._warm_q(state, keys[i], j, m.shape[1]) for j, (i, m) in enumerate(zip(chosen, matrices))]
 
         # Round 1: P = M Q, summed; dense tensors ride along in the same collective.
         ps = [tf.matmul(m, q) for m, q in zip(matrices, qs)]

@@ -1,0 +1,603 @@
+"""Small, ordinary Keras programs, each written once and run three ways by `run.py`.
+
+A program receives `make_strategy` and builds its strategy itself (some programs set seeds
+or build other models first). It returns the numbers to compare: final weights, the
+History, and where it makes sense evaluate() and predict() results. Every program seeds
+what it draws, so one process, `tf.distribute.MirroredStrategy` and tfdp start from the
+same weights and data.
+
+``PROGRAMS[name] = (function, reference)``: reference ``"plain"`` when the program must
+match one plain process, ``"tf-mirrored"`` where Keras defines the result by what
+`tf.distribute.MirroredStrategy` does (per-replica batch statistics).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+GLOBAL_BATCH = 32
+SEED = 11
+PROGRAMS = {}
+
+
+def program(reference="plain"):
+    def register(function):
+        PROGRAMS[function.__name__] = (function, reference)
+        return function
+
+    return register
+
+
+def rank():
+    import os
+
+    return int(os.environ.get("HOROVOD_RANK", "0"))
+
+
+# -- shared pieces ---------------------------------------------------------------------
+
+def regression(n=128, features=6, outputs=1, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    w = rng.normal(size=(features, outputs)).astype("float32")
+    return x, (np.tanh(x @ w) + 0.05 * rng.normal(size=(n, outputs))).astype("float32")
+
+
+def classification(n=128, features=6, classes=3, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = np.argmax(x @ rng.normal(size=(features, classes)), axis=1).astype("int32")
+    return x, y
+
+
+def mlp(features=6, outputs=1, activation=None):
+    return keras.Sequential([keras.Input((features,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(outputs, activation=activation)])
+
+
+def sgd():
+    return keras.optimizers.SGD(0.05, momentum=0.9)
+
+
+def result(model, history=None, evaluate=None, predict=None, **extra):
+    out = {"weights": [w.tolist() for w in model.get_weights()]}
+    if history is not None:
+        out["history"] = {k: [float(v) for v in vals] for k, vals in history.history.items()}
+    if evaluate is not None:
+        out["evaluate"] = [float(v) for v in np.ravel(evaluate)] if not isinstance(evaluate, dict) else \
+            {k: float(v) for k, v in evaluate.items()}
+    if predict is not None:
+        out["predict"] = np.asarray(predict).tolist()
+    out.update(extra)
+    return out
+
+
+def fit_mlp(make_strategy, x, y, compile_kwargs=dict, model_fn=mlp, **fit_kwargs):
+    """Build `model_fn()` under a fresh strategy, compile with `compile_kwargs()`, fit.
+
+    `compile_kwargs` is called inside the scope: optimizers and metrics belong there.
+    """
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = model_fn()
+        model.compile(**({"optimizer": sgd(), "loss": "mse"} | compile_kwargs()))
+    history = model.fit(x, y, verbose=0, **({"batch_size": GLOBAL_BATCH, "epochs": 2, "shuffle": False} | fit_kwargs))
+    return model, history
+
+
+# -- inputs ----------------------------------------------------------------------------
+
+@program()
+def numpy_arrays(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]}, validation_data=regression(64, seed=5))
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  model.predict(x[:45], batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def numpy_shuffled(make_strategy):
+    keras.utils.set_random_seed(SEED)  # the seed Keras shuffles with, set before the strategy
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, shuffle=True, epochs=3)
+    return result(model, history)
+
+
+@program()
+def validation_split(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]}, validation_split=0.25)
+    return result(model, history)
+
+
+@program()
+def dict_inputs(make_strategy):
+    x, y = regression()
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+        h = keras.layers.Concatenate()([keras.layers.Dense(8, activation="tanh")(a), b])
+        model = keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(h))
+        model.compile(sgd(), "mse")
+    inputs = {"a": x[:, :4], "b": x[:, 4:]}
+    history = model.fit(inputs, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, predict=model.predict(inputs, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def list_inputs(make_strategy):
+    x, y = regression()
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        a, b = keras.Input((4,)), keras.Input((2,))
+        h = keras.layers.Concatenate()([keras.layers.Dense(8, activation="tanh")(a), b])
+        model = keras.Model([a, b], keras.layers.Dense(1)(h))
+        model.compile(sgd(), "mse")
+    history = model.fit([x[:, :4], x[:, 4:]], y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history)
+
+
+@program()
+def multi_output_loss_weights(make_strategy):
+    x, y = regression(outputs=2)
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        inp = keras.Input((6,))
+        h = keras.layers.Dense(8, activation="tanh")(inp)
+        model = keras.Model(inp, {"first": keras.layers.Dense(1, name="first")(h),
+                                  "second": keras.layers.Dense(1, name="second")(h)})
+        model.compile(sgd(), loss={"first": "mse", "second": "mae"}, loss_weights={"first": 1.0, "second": 0.3},
+                      metrics={"first": ["mae"]})
+    targets = {"first": y[:, :1], "second": y[:, 1:]}
+    history = model.fit(x, targets, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, model.evaluate(x, targets, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True))
+
+
+@program()
+def sample_weight(make_strategy):
+    x, y = regression()
+    weights = np.linspace(0.1, 2.0, len(x)).astype("float32")
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"weighted_metrics": ["mae"]}, sample_weight=weights)
+    return result(model, history)
+
+
+@program()
+def class_weight(make_strategy):
+    x, y = classification()
+    model, history = fit_mlp(
+        make_strategy, x, y, lambda: {"loss": "sparse_categorical_crossentropy", "metrics": ["accuracy"]},
+        model_fn=lambda: mlp(outputs=3, activation="softmax"), class_weight={0: 1.0, 1: 3.0, 2: 0.5})
+    return result(model, history)
+
+
+@program()
+def tf_data_shuffle_prefetch(make_strategy):
+    x, y = regression()
+    ds = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=3)
+          .batch(GLOBAL_BATCH).prefetch(tf.data.AUTOTUNE))
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = mlp()
+        model.compile(sgd(), "mse")
+    history = model.fit(ds, epochs=3, verbose=0)
+    return result(model, history)
+
+
+@program()
+def tf_data_repeat_steps_per_epoch(make_strategy):
+    x, y = regression(n=96)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).repeat()
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = mlp()
+        model.compile(sgd(), "mse")
+    history = model.fit(ds, epochs=3, steps_per_epoch=2, verbose=0)  # epochs run across the repeats
+    return result(model, history)
+
+
+@program()
+def python_generator(make_strategy):
+    x, y = regression(n=28 * GLOBAL_BATCH // 4)
+
+    def batches():
+        for i in range(0, len(x), GLOBAL_BATCH):
+            yield x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]
+
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = mlp()
+        model.compile(sgd(), "mse")
+    history = model.fit(batches(), epochs=1, verbose=0)
+    # Not compared: one plain process counts 8 iterations for these 7 batches (Keras runs
+    # the step once more when a generator ends; the counter moves, the weights do not).
+    return result(model, history, uncompared_iterations=int(model.optimizer.iterations.numpy()))
+
+
+class Rows(keras.utils.PyDataset):
+    def __init__(self, x, y, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return -(-len(self.x) // GLOBAL_BATCH)
+
+    def __getitem__(self, i):
+        return self.x[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], self.y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+
+
+def fit_py_dataset(make_strategy, **kwargs):
+    x, y = regression(n=100)  # a last batch of 4 rows
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = mlp()
+        model.compile(sgd(), "mse")
+    history = model.fit(Rows(x, y, **kwargs), epochs=2, verbose=0)
+    return result(model, history)
+
+
+@program()
+def py_dataset(make_strategy):
+    return fit_py_dataset(make_strategy)
+
+
+@program()
+def py_dataset_two_workers(make_strategy):
+    return fit_py_dataset(make_strategy, workers=2, use_multiprocessing=False)
+
+
+@program()
+def sparse_inputs(make_strategy):
+    x, y = regression()
+    x[np.abs(x) < 0.8] = 0.0  # mostly zeros
+    ds = tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(x), y)).batch(GLOBAL_BATCH)
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = keras.Sequential([keras.Input((6,), sparse=True), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(sgd(), "mse")
+    history = model.fit(ds, epochs=2, verbose=0)
+    return result(model, history)
+
+
+class RaggedMean(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.embedding = keras.layers.Embedding(12, 4)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, tokens):
+        return self.out(tf.reduce_mean(self.embedding(tokens), axis=1))
+
+
+@program()
+def ragged_inputs(make_strategy):
+    rng = np.random.default_rng(2)
+    rows = [rng.integers(0, 12, size=rng.integers(1, 6)).tolist() for _ in range(96)]
+    y = np.array([[sum(r) / len(r) / 12.0] for r in rows], "float32")
+    ds = tf.data.Dataset.from_tensor_slices((tf.ragged.constant(rows), y)).batch(GLOBAL_BATCH)
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = RaggedMean()
+        model.compile(sgd(), "mse")
+    history = model.fit(ds, epochs=2, verbose=0)
+    return result(model, history)
+
+
+@program()
+def embedding_sparse_gradients(make_strategy):
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 500, size=(128, 3)).astype("int32")
+    y = (x.sum(axis=1, keepdims=True) / 1500.0).astype("float32")
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(500, 4),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history)
+
+
+# -- models ----------------------------------------------------------------------------
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+
+@program()
+def subclassed_model(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]}, model_fn=Subclassed)
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+class CustomSteps(keras.Model):
+    """The pattern of Keras's guide "Customizing what happens in fit()"."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        logs = {m.name: m.result() for m in self.metrics}
+        logs["constant"] = 10.0  # a Python number
+        logs["numpy_value"] = np.float32(2.5)
+        return logs
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        return {"loss": loss, "constant": 5.0}
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        return {"prediction": self(x), "doubled": 2.0 * self(x)}
+
+
+@program(reference="tf-mirrored")
+def custom_train_step(make_strategy):
+    # The guide's step reports `compute_loss`, which Keras divides by the number of
+    # replicas under any strategy: the logged loss is tf.distribute's, the weights match
+    # one process (checked in `test_custom_steps_train_like_one_process`).
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]}, model_fn=CustomSteps)
+    return result(model, history)
+
+
+@program(reference="tf-mirrored")
+def custom_test_step_dict(make_strategy):
+    x, y = regression()
+    model, _ = fit_mlp(make_strategy, x, y, model_fn=CustomSteps, epochs=1)
+    return result(model, evaluate=model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True))
+
+
+@program(reference="tf-mirrored")
+def custom_test_step_flat(make_strategy):
+    x, y = regression()
+    model, _ = fit_mlp(make_strategy, x, y, model_fn=CustomSteps, epochs=1)
+    return result(model, evaluate=model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))  # a flat list
+
+
+@program()
+def custom_predict_step(make_strategy):
+    x, y = regression()
+    model, _ = fit_mlp(make_strategy, x, y, model_fn=CustomSteps, epochs=1)
+    out = model.predict(x[:50], batch_size=GLOBAL_BATCH, verbose=0)
+    return result(model, predict=np.concatenate([out["prediction"], out["doubled"]], axis=1))
+
+
+class PythonNumberMetric(keras.metrics.Metric):
+    """A metric whose result is a Python number (it counts nothing)."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        pass
+
+    def result(self):
+        return 3.0
+
+    def reset_state(self):
+        pass
+
+
+@program()
+def custom_metric_python_number(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae", PythonNumberMetric(name="three")]})
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True))
+
+
+@program()
+def batchnorm_synchronized(make_strategy):
+    # No bias before BN: its true gradient is 0, and its values would be rounding noise.
+    x, y = classification(features=6)
+    model, history = fit_mlp(
+        make_strategy, x, y, lambda: {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+        model_fn=lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, use_bias=False),
+                                           keras.layers.BatchNormalization(synchronized=True),
+                                           keras.layers.ReLU(), keras.layers.Dense(3)]))
+    return result(model, history)
+
+
+@program(reference="tf-mirrored")
+def batchnorm_per_replica(make_strategy):
+    # Each replica normalises by its own batch and keeps its own moving statistics, as in
+    # tf.distribute: those differ by rank (rank 0's are the ones saved).
+    x, y = classification(features=6)
+    model, history = fit_mlp(
+        make_strategy, x, y, lambda: {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+        model_fn=lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                           keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                                           keras.layers.Dense(3)]))
+    out = result(model, history)
+    out["weights"] = [w.numpy().tolist() for w in model.trainable_weights]
+    out["per_rank_moving_statistics"] = [w.numpy().tolist() for w in model.non_trainable_weights]
+    return out
+
+
+# -- optimizers and steps --------------------------------------------------------------
+
+@program()
+def adam_global_clipnorm(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"optimizer": keras.optimizers.Adam(0.01, global_clipnorm=0.1)})
+    return result(model, history)
+
+
+@program()
+def nesterov_clipnorm(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {
+        "optimizer": keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, clipnorm=0.05)})
+    return result(model, history)
+
+
+@program()
+def gradient_accumulation(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {
+        "optimizer": keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=2)})
+    return result(model, history, iterations=int(model.optimizer.iterations.numpy()))
+
+
+@program()
+def loss_scale_optimizer(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {
+        "optimizer": keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0 ** 8)})
+    return result(model, history)
+
+
+@program()
+def steps_per_execution(make_strategy):
+    x, y = regression(n=160)
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"steps_per_execution": 3, "metrics": ["mae"]})
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  model.predict(x, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def on_batch_methods(make_strategy):
+    x, y = regression(n=GLOBAL_BATCH)
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = mlp()
+        model.compile(sgd(), "mse")
+    losses = [float(model.train_on_batch(x, y)) for _ in range(3)]
+    return result(model, test_on_batch=float(model.test_on_batch(x, y)), train_losses=losses,
+                  predict=model.predict_on_batch(x[:8]))
+
+
+# -- callbacks -------------------------------------------------------------------------
+
+class StopAtBatch(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+@program()
+def batch_callback_stops_training(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, epochs=3, callbacks=[StopAtBatch(2)])
+    return result(model, history, iterations=int(model.optimizer.iterations.numpy()))
+
+
+@program()
+def epoch_callbacks(make_strategy):
+    x, y = regression()
+    callbacks = [keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0),
+                 keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10.0)]
+    model, history = fit_mlp(make_strategy, x, y, epochs=5, callbacks=callbacks)
+    return result(model, history, learning_rate=float(model.optimizer.learning_rate.numpy()))
+
+
+# -- set-up ----------------------------------------------------------------------------
+
+@program()
+def seed_before_strategy(make_strategy):
+    keras.utils.set_random_seed(SEED)
+    strategy = make_strategy()
+    x, y = regression()
+    with strategy.scope():
+        model = mlp()  # initial weights drawn from the seed set before the strategy
+        model.compile(sgd(), "mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=True, verbose=0)
+    return result(model, history)
+
+
+@program()
+def seed_after_strategy(make_strategy):
+    strategy = make_strategy()
+    keras.utils.set_random_seed(SEED)
+    x, y = regression()
+    with strategy.scope():
+        model = mlp()
+        model.compile(sgd(), "mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=True, verbose=0)
+    return result(model, history)
+
+
+@program()
+def extra_model_on_rank_0(make_strategy):
+    x, y = regression()
+    if rank() == 0:  # a reference, an exporter, a teacher: built and trained on rank 0 only
+        teacher = mlp()
+        teacher.compile("sgd", "mse")
+        teacher.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]})
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def worker_output(make_strategy):
+    """Silenced ranks print again when allowed, and building strategies leaks no file handle."""
+    import os
+    import sys
+
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        make_strategy()
+    after = len(os.listdir("/proc/self/fd"))
+    print(f"silenced-unless-chief from rank {rank()}", flush=True)
+    if hasattr(sys.stdout, "rank"):  # tfdp's stdout: let every rank print, then silence again
+        import tfdp
+
+        tfdp.set_worker_stdout(True)
+        print(f"allowed from rank {rank()}", flush=True)
+        tfdp.set_worker_stdout(False)
+    else:
+        print(f"allowed from rank {rank()}", flush=True)
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, epochs=1)
+    return result(model, history, file_handles_added=after - before)
+
+
+@program()
+def op_determinism(make_strategy):
+    # Last: determinism cannot be switched off again in this process.
+    tf.config.experimental.enable_op_determinism()
+    strategy = make_strategy()  # no global seed yet
+    x, y = regression()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = mlp()
+        model.compile(sgd(), "mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=True, verbose=0)
+    return result(model, history)

@@ -1,0 +1,166 @@
+"""Fast in-process tests: no horovodrun, one worker."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp import presets
+from tfdp.keras.callbacks import LearningRateWarmup
+from tfdp.strategies import output
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_public_api_is_pinned():
+    assert sorted(tfdp.__all__) == [
+        "AsyncStrategy", "CompressedStrategy", "DistributedOptimizer", "MirroredStrategy", "callbacks", "compression",
+        "elastic", "init", "is_chief", "local_rank", "preset_names", "rank", "restore_stdout", "set_worker_stdout",
+        "size", "strategy", "worker_stdout",
+    ]
+    for name in tfdp.__all__:
+        assert hasattr(tfdp, name)
+
+
+def test_single_process_strategy_is_plain_keras():
+    x = np.random.default_rng(0).normal(size=(96, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(4)
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    strategy = tfdp.MirroredStrategy()
+    ours, plain = train(strategy), train(tf.distribute.get_strategy())
+    for a, b in zip(ours, plain):
+        np.testing.assert_array_equal(a, b)
+    stats = strategy.communication_stats()
+    assert stats["steps"] == 6 and stats["payload_bytes"] == 0  # one worker: nothing sent
+    assert stats["dense_bytes"] == 6 * (3 * 4 + 4 + 4 + 1) * 4
+
+
+# -- presets ----------------------------------------------------------------------
+
+
+def test_sync_preset_resolves_by_name_and_environment(monkeypatch):
+    assert "sync" in tfdp.preset_names()
+    assert isinstance(tfdp.strategy("sync"), tfdp.MirroredStrategy)
+    monkeypatch.setenv("TFDP_STRATEGY", "sync")
+    assert isinstance(tfdp.strategy(), tfdp.MirroredStrategy)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("description: x\nstrategy: mirrored\noptions: {}\nspeed: 11\n", "unknown keys ['speed']"),
+        ("description: x\nstrategy: mirrored\n", "missing key 'options'"),
+        ("description: x\nstrategy: mirrored\noptions: [1]\n", "'options' must be a dict"),
+        ("description: x\nstrategy: warp\noptions: {}\n", "unknown strategy 'warp'"),
+        ("description: [unclosed\n", "not valid YAML"),
+        ("- a list\n", "must be a mapping"),
+        ("!!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
+    ],
+)
+def test_invalid_presets_are_clear_errors(text, message):
+    with pytest.raises(ValueError, match=None) as err:
+        presets.parse_preset(text, source="test.yaml")
+    assert message in str(err.value) and "test.yaml" in str(err.value)
+
+
+def test_unknown_preset_lists_the_choices(monkeypatch):
+    monkeypatch.setenv("TFDP_STRATEGY", "nope")
+    with pytest.raises(ValueError, match=r"Unknown strategy preset 'nope'. Available presets: \[.*'sync'"):
+        tfdp.strategy()
+
+
+def test_presets_resolve_after_plain_pip_install(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(REPO)],
+        check=True, timeout=300, cwd=tmp_path,
+    )
+    code = "import tfdp, json; print(json.dumps(tfdp.preset_names())); print(tfdp.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(target), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    names, location = out.stdout.strip().splitlines()[-2:]
+    assert "sync" in names and location.startswith(str(target))
+
+
+def test_cli_lists_presets_and_rejects_unknown_ones(capsys):
+    from tfdp.tools import cli
+
+    assert cli.main(["presets"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == tfdp.preset_names()
+    assert {"sync", "fp16", "topk-1pct", "powersgd-r4", "efsign", "async-s1", "async-s2",
+            "local-sgd-h16"} <= set(listed)
+    assert cli.main(["run", "-np", "2", "--strategy", "nope", "x.py"]) == 2
+    assert "Unknown strategy preset 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", tfdp.preset_names())
+def test_every_preset_builds_its_strategy(name):
+    strategy = tfdp.strategy(name)
+    kind = presets.load_preset(name)["strategy"]
+    expected = {"mirrored": tfdp.MirroredStrategy, "compressed": tfdp.CompressedStrategy,
+                "async": tfdp.AsyncStrategy}[kind]
+    assert type(strategy) is expected
+
+
+# -- optimizer wrapper and callbacks ------------------------------------------------
+
+
+def test_distributed_optimizer_returns_the_same_plain_optimizer():
+    optimizer = keras.optimizers.Adam(1e-3)
+    assert tfdp.DistributedOptimizer(optimizer) is optimizer
+    assert type(optimizer) is keras.optimizers.Adam
+    assert "tfdp" not in str(optimizer.get_config())
+    with pytest.raises(ValueError, match="already a tfdp.DistributedOptimizer"):
+        tfdp.DistributedOptimizer(optimizer)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"op": "max"}, "`op` must be one of"), ({"backward_passes_per_step": 0}, "must be an integer >= 1")],
+)
+def test_distributed_optimizer_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tfdp.DistributedOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_learning_rate_warmup_ramps_from_lr_over_size():
+    warmup = LearningRateWarmup(target_lr=0.8, warmup_epochs=2, steps_per_epoch=10)
+    warmup._size = 4
+    assert warmup.learning_rate_at(0, 0) == pytest.approx(0.2)
+    assert warmup.learning_rate_at(1, 0) == pytest.approx(0.5)
+    assert warmup.learning_rate_at(2, 0) == pytest.approx(0.8)
+    assert warmup.learning_rate_at(5, 3) == pytest.approx(0.8)
+
+
+def test_strategy_rejects_non_bool_global_step_logs():
+    with pytest.raises(ValueError, match="`global_step_logs` must be True or False. Received: global_step_logs='no'"):
+        tfdp.MirroredStrategy(global_step_logs="no")
+
+
+@pytest.mark.multiprocess
+def test_tfdp_run_hands_the_preset_to_every_worker():
+    code = "import os; print('preset=' + os.environ['TFDP_STRATEGY'], os.environ['HOROVOD_RANK'])"
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "tfdp"), "run", "-np", "2", "--strategy", "sync", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert sorted(line.split(":", 1)[1] for line in out.stdout.splitlines() if "preset=" in line) == [
+        "preset=sync 0", "preset=sync 1"]

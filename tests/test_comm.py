@@ -1,0 +1,87 @@
+"""The communication layer, in process: N fake ranks in threads, byte accounting, graph names."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.comm.communicator import graph_collective_name
+from tfdp.comm.fake import run_ranks
+
+
+def test_fake_collectives_match_their_definitions():
+    def body(comm):
+        r = comm.rank
+        mine = tf.constant([r + 1.0, 10.0 * r])
+        total, mean, low, high = (comm.allreduce([mine], op=op)[0].numpy() for op in ("sum", "average", "min", "max"))
+        gathered = comm.allgather(tf.fill([r + 1], r)).numpy()  # first dims differ by rank
+        stacked = comm.allgather_stacked([tf.constant([r, r])])[0].numpy()
+        root = comm.broadcast(tf.constant([r * 7]), root_rank=2).numpy()
+        return total, mean, low, high, gathered, stacked, root
+
+    results = run_ranks(3, body)
+    for total, mean, low, high, gathered, stacked, root in results:
+        np.testing.assert_array_equal(total, [6.0, 30.0])
+        np.testing.assert_allclose(mean, [2.0, 10.0])
+        np.testing.assert_array_equal(low, [1.0, 0.0])
+        np.testing.assert_array_equal(high, [3.0, 20.0])
+        assert gathered.tolist() == [0, 1, 1, 2, 2, 2]
+        assert stacked.tolist() == [[0, 0], [1, 1], [2, 2]]
+        assert root.tolist() == [14]
+
+
+def test_bytes_are_counted_per_collective_and_per_dtype_group():
+    def body(comm):
+        comm.allreduce([tf.zeros([10]), tf.zeros([5])], op="sum", gradients=True)  # 60 bytes, 1 call
+        comm.allgather_many([tf.zeros([4], tf.int32), tf.zeros([3]), tf.zeros([2], tf.int32)])  # 2 groups
+        comm.broadcast(tf.zeros([2], tf.int64))
+        return comm.stats.as_dict()
+
+    stats = run_ranks(2, body)[0]
+    assert stats["collectives"] == 1 + 2 + 1
+    assert stats["gradient_bytes"] == 60
+    assert stats["payload_bytes"] == 60 + (16 + 8 + 12) + 16
+
+
+def test_one_worker_sends_nothing():
+    [stats] = run_ranks(1, lambda comm: (comm.allreduce([tf.ones([3])]), comm.stats.as_dict())[1])
+    assert stats["collectives"] == 0 and stats["payload_bytes"] == 0
+
+
+def test_an_error_on_one_rank_is_raised_not_hung():
+    def body(comm):
+        if comm.rank == 1:
+            raise ValueError("rank 1 failed")
+        comm.allreduce([tf.ones([1])])
+
+    with pytest.raises(ValueError, match="rank 1 failed"):
+        run_ranks(2, body)
+
+
+def test_graph_collectives_are_named_by_position_in_the_outermost_function():
+    names = []
+
+    @tf.function
+    def inner(x):
+        names.append(graph_collective_name("allreduce"))
+        return x
+
+    def other_branch(x):
+        names.append(graph_collective_name("allgather"))
+        return x
+
+    @tf.function
+    def outer(x):
+        names.append(graph_collective_name("allreduce"))
+        x = tf.cond(x[0] > 0, lambda: inner(x), lambda: other_branch(x))
+        names.append(graph_collective_name("broadcast"))
+        return x
+
+    outer(tf.ones([1]))
+    # The branches and the nested function count in the outer function's sequence.
+    assert names == ["tfdp_allreduce_0", "tfdp_allreduce_1", "tfdp_allgather_2", "tfdp_broadcast_3"]
+    # A retrace (new input signature) starts from 0 again: ranks that retrace at
+    # different times still pair the same collectives.
+    names.clear()
+    outer(tf.ones([2]))
+    assert names[0] == "tfdp_allreduce_0"
+    assert graph_collective_name("allreduce") is None  # eager: Horovod orders them itself

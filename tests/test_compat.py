@@ -1,0 +1,73 @@
+"""Keras still calls every hook tfdp installs: spies count the calls of an ordinary program.
+
+If a Keras upgrade moves one of these functions, or stops calling it, its count is 0 and
+this test names it. The spies wrap whatever is installed (tfdp's hook), so they count what
+Keras calls, not what tfdp set.
+"""
+
+import functools
+
+import keras
+import numpy as np
+
+import tfdp
+from tfdp._compat import keras as keras_hooks
+
+
+def spy_on(functions, counts):
+    originals = []
+    for owner, name in functions:
+        current = getattr(owner, name)
+
+        @functools.wraps(current)
+        def spy(*args, __current=current, __key=(owner, name), **kwargs):
+            counts[__key] += 1
+            return __current(*args, **kwargs)
+
+        counts[(owner, name)] = 0
+        originals.append((owner, name, current))
+        setattr(owner, name, spy)
+    return originals
+
+
+def ordinary_program(tmp_path):
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    strategy = tfdp.MirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01, clipnorm=1.0), loss="mse")
+        scaled = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        scaled.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    scaled.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.evaluate(x, y, batch_size=16, verbose=0)
+    model.predict(x, batch_size=16, verbose=0)
+    model.train_on_batch(x[:16], y[:16])
+    model.test_on_batch(x[:16], y[:16])
+    model.predict_on_batch(x[:16])
+    model.save(tmp_path / "m.keras")
+
+
+def test_keras_calls_every_hook(tmp_path):
+    tfdp._compat.install()
+    hooked = keras_hooks.hooked_functions()
+    counts = {}
+    # Negative control: a Keras method this program never calls stays at 0.
+    unused = (keras.Model, "export")
+    originals = spy_on(hooked + [unused], counts)
+    try:
+        ordinary_program(tmp_path)
+    finally:
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+    missing = [f"{owner.__name__}.{name}" for (owner, name), n in counts.items() if n == 0 and (owner, name) != unused]
+    assert not missing, f"Keras no longer calls these tfdp hooks: {missing}"
+    assert counts[unused] == 0
+
+
+def test_install_is_idempotent():
+    tfdp._compat.install()
+    before = [getattr(owner, name) for owner, name in keras_hooks.hooked_functions()]
+    tfdp._compat.install()
+    assert before == [getattr(owner, name) for owner, name in keras_hooks.hooked_functions()]

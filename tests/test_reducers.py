@@ -1,0 +1,153 @@
+"""Every reducer through the one protocol, on fake ranks in one process (no horovodrun)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.comm.fake import run_ranks
+from tfdp.compression import PowerSGD, TopK
+from tfdp.reducers import AllReduceGradients, CompressedGradients, LocalSGD, ReducerState, StaleGradients
+
+
+def variables(shapes, prefix="dense"):
+    return [tf.Variable(tf.zeros(s), name=f"{prefix}{i}") for i, s in enumerate(shapes)]
+
+
+def test_allreduce_keeps_none_and_sums_dense_and_gathers_slices():
+    def body(comm):
+        r = comm.rank
+        vs = variables([(3,), (4, 2), (5,)])
+        grads = [tf.fill([3], r + 1.0), None,
+                 tf.IndexedSlices(tf.constant([[r + 1.0]]), tf.constant([r * 2]), tf.constant([5, 1]))]
+        out = AllReduceGradients(comm, op="average").reduce(grads, vs)
+        return out, comm.stats.as_dict()
+
+    for (dense, none, slices), stats in run_ranks(2, body):
+        np.testing.assert_allclose(dense.numpy(), [1.5, 1.5, 1.5])
+        assert none is None
+        assert isinstance(slices, tf.IndexedSlices)  # never densified
+        np.testing.assert_allclose(slices.values.numpy().ravel(), [0.5, 1.0])
+        assert slices.indices.numpy().tolist() == [0, 2]
+        assert stats["steps"] == 1 and stats["rounds"] == 1
+        assert stats["dense_bytes"] == 4 * (3 + 5)  # the slices' dense size, not their rows
+        assert stats["gradient_bytes"] == 4 * 3 + (4 + 8)  # dense floats + one row and its int64 index
+
+
+def test_compressed_reducer_sums_the_same_payloads_on_every_rank_and_keeps_its_residual():
+    rng = np.random.default_rng(0)
+    local = [rng.normal(size=(2, 64, 8)).astype("float32")]  # per rank, one 64x8 gradient
+
+    def body(comm):
+        vs = variables([(64, 8)])
+        reducer = CompressedGradients(comm, TopK(0.05), error_feedback=True, min_compress_bytes=0)
+        grad = tf.constant(local[0][comm.rank])
+        [summed] = reducer.reduce([grad], vs)
+        residual = reducer.memory.residual(vs[0].name if not hasattr(vs[0], "path") else vs[0].path)
+        return summed.numpy(), residual.numpy(), comm.stats.as_dict()
+
+    (sum0, res0, stats), (sum1, res1, _) = run_ranks(2, body)
+    np.testing.assert_array_equal(sum0, sum1)
+    k = int(np.ceil(0.05 * 512))
+    for rank, residual in enumerate((res0, res1)):
+        sent = local[0][rank] - residual
+        assert np.count_nonzero(sent) == k  # exactly the top k went out, the rest is remembered
+        np.testing.assert_allclose(sum0.sum(), (local[0][0] - res0 + local[0][1] - res1).sum(), rtol=1e-5)
+    assert stats["gradient_bytes"] == 8 * k
+
+
+def test_powersgd_keeps_q_in_the_reducer_state_keyed_by_variable():
+    def body(comm):
+        vs = variables([(16, 8)], prefix="layer")
+        reducer = CompressedGradients(comm, PowerSGD(rank=2), error_feedback=True, min_compress_bytes=0)
+        grad = tf.constant(np.full((16, 8), comm.rank + 1.0, "float32"))
+        reducer.reduce([grad], vs)
+        return reducer.state.keys()
+
+    keys = run_ranks(2, body)[0]
+    assert keys == ["compression_step", "layer0:0/residual", "layer0:0/powersgd_q"]
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_stale_gradients_apply_the_sum_of_step_t_minus_s_and_settle_the_rest(staleness):
+    steps = 5
+
+    def body(comm):
+        vs = variables([(2,)])
+        reducer = StaleGradients(comm, staleness)
+        applied = []
+        for t in range(steps):
+            grad = tf.constant([float(t), float(comm.rank)])
+            applied.append(reducer.reduce([grad], vs)[0].numpy().tolist())
+            reducer.after_update(vs)
+        late = []
+        reducer.settle(lambda grads, variables: late.append(grads[0].numpy().tolist()))
+        return applied, late, reducer.stats()["max_staleness"]
+
+    for applied, late, max_staleness in run_ranks(2, body):
+        sums = [[2.0 * t, 1.0] for t in range(steps)]  # rank 0 sends [t, 0], rank 1 [t, 1]
+        assert applied == [[0.0, 0.0]] * staleness + sums[: steps - staleness]
+        assert late == sums[steps - staleness:]
+        assert max_staleness == staleness
+
+
+def test_local_sgd_averages_every_h_updates_and_at_settle():
+    def body(comm):
+        [v] = variables([(1,)])
+        reducer = LocalSGD(comm, sync_every=2)
+        seen = []
+        for step in range(3):
+            grads = reducer.reduce([tf.constant([1.0])], [v])
+            v.assign_sub(grads[0] * (comm.rank + 1))  # ranks move at different speeds
+            reducer.after_update([v])
+            seen.append(float(v.numpy()[0]))
+        reducer.settle()
+        return seen, float(v.numpy()[0]), comm.stats.as_dict()["rounds"]
+
+    (seen0, end0, rounds), (seen1, end1, _) = run_ranks(2, body)
+    # Local steps are full steps (loss scaling undone: x2): rank 0 moves 2 per step, rank 1 4.
+    # After step 2: rank 0 at -4, rank 1 at -8, both replaced by their average.
+    assert seen0[:2] == [-2.0, -6.0] and seen1[:2] == [-4.0, -6.0]
+    assert end0 == end1 == -9.0  # step 3 local (-8, -10), averaged again by settle
+    assert rounds == 2
+
+
+class DictStore(dict):
+    """Stands in for Keras's H5 weights store."""
+
+
+def test_reducer_state_checkpoint_holds_every_ranks_rows_and_resumes_on_other_worker_counts():
+    def save(comm):
+        state = ReducerState(comm)
+        state.variable("step", lambda: tf.constant(7, tf.int64))
+        state.variable("w/residual", lambda: tf.fill([2], float(comm.rank + 1)), per_rank=True)
+        state.snapshot()  # every rank, before rank 0 writes
+        store = DictStore()
+        state.save(store)
+        return store
+
+    store = run_ranks(2, save)[0]  # rank 0's checkpoint
+    assert store["1"].tolist() == [[1.0, 1.0], [2.0, 2.0]]
+
+    def load(comm):
+        state = ReducerState(comm)
+        state.load(store)  # before the entries exist: they take the values when created
+        step = state.variable("step", lambda: tf.constant(0, tf.int64))
+        residual = state.variable("w/residual", lambda: tf.zeros([2]), per_rank=True)
+        return int(step.numpy()), residual.numpy().tolist()
+
+    assert run_ranks(2, load) == [(7, [1.0, 1.0]), (7, [2.0, 2.0])]
+    # Three workers: each takes the mean of the saved rows, so their sum is unchanged.
+    assert run_ranks(3, load) == [(7, [1.0, 1.0])] * 3
+
+
+def test_reducer_state_without_a_fresh_snapshot_saves_only_this_ranks_row():
+    def body(comm):
+        state = ReducerState(comm)
+        residual = state.variable("r", lambda: tf.zeros([1]), per_rank=True)
+        state.snapshot()
+        residual.assign([5.0])  # a step after the snapshot: it is stale now
+        store = DictStore()
+        state.save(store)
+        return store["0"].tolist()
+
+    assert run_ranks(2, body)[0] == [[5.0]]

@@ -1,0 +1,592 @@
+"""Every hook tfdp puts into private Keras code, in one place.
+
+Each patch names the Keras file it depends on; ``tests/test_compat.py`` counts that
+Keras really calls each hook (a spy, not an attribute check). `install()` is idempotent.
+
+The hooks ask two things of the objects they meet, both declared here rather than
+discovered: a tfdp strategy's ``extended`` implements `StrategyHooks`, and a gradient
+reducer implements ``reduce``, ``after_update``, ``saveable``, ``supports_accumulation``
+and ``description`` (the protocol of `tfdp.reducers.GradientReducer`).
+"""
+
+import abc
+import contextlib
+import copy
+import functools
+import threading
+import weakref
+
+_installed = False
+_state = threading.local()
+_bound_reducers = weakref.WeakKeyDictionary()  # optimizer -> reducer, for DistributedOptimizer
+REDUCER_STATE_ATTRIBUTE = "_tfdp_reducer_state"
+
+
+class StrategyHooks(abc.ABC):
+    """What tfdp's Keras hooks ask of a tfdp strategy's ``extended`` object."""
+
+    #: The `GradientReducer` of the strategy's optimizers.
+    gradient_reducer = None
+    #: A counter variable when steps with non-finite gradients are skipped, else None.
+    skipped_steps = None
+
+    @property
+    @abc.abstractmethod
+    def is_chief(self):
+        """True on the worker that prints and writes files."""
+
+    @abc.abstractmethod
+    def reduce_step_outputs(self, values, reduction):
+        """Make a step's outputs global (`reduction` as in Keras's `reduce_per_replica`)."""
+
+    @abc.abstractmethod
+    def check_batch_size(self, batch_size):
+        """Raise when a global batch cannot give every worker a row."""
+
+    @abc.abstractmethod
+    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch):
+        """Agree across ranks on how to iterate an epoch; return ``(mode, batches)``.
+
+        `count` is this rank's batches per epoch: an int, ``INFINITE`` or ``UNKNOWN``.
+        Modes: ``"as_is"`` (every rank iterates the same way), ``"fewest"`` (stop after
+        `batches`) or ``"each_step"`` (agree before every step whether all ranks have data).
+        """
+
+    @abc.abstractmethod
+    def all_have_data(self, has_data):
+        """Given whether this rank has a next batch, return whether every rank has one."""
+
+    @abc.abstractmethod
+    def split_batch(self, structure):
+        """This rank's rows of one global batch (any nest of arrays or tensors, None kept)."""
+
+    @abc.abstractmethod
+    def extra_callbacks(self, model, callbacks):
+        """Callbacks to run before the user's in fit/evaluate/predict (on every rank)."""
+
+
+INFINITE, UNKNOWN = -1, -2  # tf.data's cardinality codes
+
+
+def _strategy_hooks(strategy):
+    extended = getattr(strategy, "extended", None)
+    return extended if isinstance(extended, StrategyHooks) else None
+
+
+def bind_reducer(optimizer, reducer):
+    """Give `optimizer` its own reducer (`tfdp.DistributedOptimizer`) and carry its state in checkpoints."""
+    if optimizer in _bound_reducers:
+        raise ValueError("This optimizer is already a tfdp.DistributedOptimizer.")
+    _bound_reducers[optimizer] = reducer
+    attach_reducer_state(optimizer, reducer)
+
+
+def bound_reducer(optimizer):
+    """The reducer `bind_reducer` gave `optimizer`, or None."""
+    return _bound_reducers.get(optimizer)
+
+
+def gradient_reducer(optimizer):
+    """Return the reducer that manages `optimizer`'s gradients, or None.
+
+    A `tfdp.DistributedOptimizer` carries its own; otherwise the reducer comes from the
+    tfdp strategy the optimizer was created under (keras/src/backend/tensorflow/
+    optimizer.py keeps it as ``_distribution_strategy``).
+    """
+    if optimizer in _bound_reducers:
+        return _bound_reducers[optimizer]
+    hooks = _strategy_hooks(getattr(optimizer, "_distribution_strategy", None))
+    return None if hooks is None else hooks.gradient_reducer
+
+
+def attach_reducer_state(optimizer, reducer):
+    """Make Keras save `reducer`'s state with `optimizer` (and load it back).
+
+    keras/src/saving/saving_lib.py `_save_state` / `_load_state` walk an optimizer's
+    instance attributes and save every `KerasSaveable` among them under the optimizer's
+    path. Plain Keras loading never asks for this attribute, so such files still load
+    without tfdp.
+    """
+    object.__setattr__(optimizer, REDUCER_STATE_ATTRIBUTE, reducer.saveable())
+
+
+@contextlib.contextmanager
+def gradients_reduced():
+    """Within this block, optimizers apply the gradients they are given as they are."""
+    previous = getattr(_state, "reduced", False)
+    _state.reduced = True
+    try:
+        yield
+    finally:
+        _state.reduced = previous
+
+
+def _reducer_to_apply(optimizer):
+    """`optimizer`'s reducer, or None when there is none or the gradients are already reduced."""
+    if getattr(_state, "reduced", False):
+        return None
+    return gradient_reducer(optimizer)
+
+
+def _reduce(reducer, grads, variables):
+    if variables is None:
+        raise RuntimeError("tfdp: gradients reached Keras's clipping outside `_backend_apply_gradients`; "
+                           "this Keras version calls its hooks in an order tfdp does not know.")
+    return reducer.reduce(list(grads), list(variables))
+
+
+def _reduce_in_clip(method):
+    """Wrap `_clip_gradients(self, grads)`: reduce grads across workers first."""
+
+    @functools.wraps(method)
+    def wrapper(self, grads):
+        reducer = _reducer_to_apply(self)
+        if reducer is None:
+            return method(self, grads)
+        grads = _reduce(reducer, grads, getattr(_state, "variables", None))
+        with gradients_reduced():
+            return method(self, grads)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _reduce_before_apply(method):
+    """Wrap `LossScaleOptimizer.apply(self, grads, trainable_variables=None)`: reduce first."""
+
+    @functools.wraps(method)
+    def wrapper(self, grads, trainable_variables=None):
+        reducer = _reducer_to_apply(self)
+        if reducer is None:
+            return method(self, grads, trainable_variables)
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        grads = _reduce(reducer, grads, variables)
+        with gradients_reduced():
+            return method(self, grads, trainable_variables)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _update_unless_nonfinite(method, optimizer, grads, trainable_variables, counter):
+    """Reduce, then run the update only if every reduced gradient is finite; else count a skip.
+
+    The reduced gradients are identical on every rank (a NaN or Inf on any rank is one in
+    the sum), so every rank takes the same branch: one global decision, no extra collective.
+    """
+    import tensorflow as tf
+
+    if optimizer.gradient_accumulation_steps:
+        raise ValueError("`skip_nonfinite=True` does not support `gradient_accumulation_steps`; "
+                         "use a larger batch, or skip_nonfinite=False.")
+    reducer = _reducer_to_apply(optimizer)
+    if reducer is not None:
+        grads = _reduce(reducer, grads, trainable_variables)
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g)))
+                            for g in grads if g is not None])
+
+    def update():
+        with gradients_reduced():
+            method(optimizer, grads, trainable_variables)
+        return tf.constant(True)
+
+    def skip():
+        counter.assign_add(1)
+        return tf.constant(False)
+
+    return tf.cond(finite, update, skip)
+
+
+def _around_update(method):
+    """Wrap `_backend_apply_gradients(self, grads, variables)`, which runs one update.
+
+    Makes the variables known to the reduction inside `_clip_gradients`, skips non-finite
+    updates when the strategy asks to, and tells the reducer the update ran.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, grads, trainable_variables):
+        reducer = gradient_reducer(self)
+        if reducer is not None and self.gradient_accumulation_steps and not reducer.supports_accumulation:
+            raise ValueError(
+                f"tfdp's {reducer.description} does not support `gradient_accumulation_steps` "
+                "(it acts once per update). Use a larger batch, or tfdp.MirroredStrategy.")
+        hooks = _strategy_hooks(getattr(self, "_distribution_strategy", None))
+        counter = None if hooks is None else hooks.skipped_steps
+        previous = getattr(_state, "variables", None)
+        _state.variables = trainable_variables
+        try:
+            if counter is not None:
+                result = _update_unless_nonfinite(method, self, grads, trainable_variables, counter)
+            else:
+                result = method(self, grads, trainable_variables)
+        finally:
+            _state.variables = previous
+        if reducer is not None:
+            reducer.after_update(trainable_variables)
+        return result
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _skip_keras_all_reduce(method):
+    @functools.wraps(method)
+    def wrapper(self, grads_and_vars):
+        if gradient_reducer(self) is not None:
+            return list(grads_and_vars)
+        return method(self, grads_and_vars)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _attach_state_on_creation(method):
+    """Wrap `TFOptimizer.__init__`: an optimizer created under a tfdp strategy carries its
+    reducer's state into checkpoints from the start, so `load_weights` before `fit` finds it."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        method(self, *args, **kwargs)
+        reducer = gradient_reducer(self)
+        if reducer is not None:
+            attach_reducer_state(self, reducer)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _patch(owner, name, wrap):
+    setattr(owner, name, wrap(getattr(owner, name)))
+
+
+def _patch_optimizers():
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+
+    # keras/src/optimizers/base_optimizer.py: `_backend_apply_gradients(grads,
+    # trainable_variables)` runs one update (after gradient accumulation) and calls
+    # `_clip_gradients(grads)` before `_backend_update_step`. Reducing there makes
+    # clipnorm/global_clipnorm act on the reduced gradient and keeps accumulation local.
+    _patch(base_optimizer.BaseOptimizer, "_clip_gradients", _reduce_in_clip)
+    _patch(base_optimizer.BaseOptimizer, "_backend_apply_gradients", _around_update)
+    # keras/src/backend/tensorflow/optimizer.py: `_backend_update_step` sums gradients with
+    # `get_replica_context().all_reduce`; tfdp has already reduced them. Its `__init__`
+    # records the strategy the optimizer was created under.
+    _patch(tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _skip_keras_all_reduce)
+    _patch(tf_optimizer.TFOptimizer, "__init__", _attach_state_on_creation)
+    # keras/src/optimizers/loss_scale_optimizer.py: `apply` decides from the local
+    # gradients whether they are finite. Reducing first makes it one global decision
+    # (a non-finite value on any rank is non-finite in the sum).
+    _patch(loss_scale_optimizer.LossScaleOptimizer, "apply", _reduce_before_apply)
+
+
+def _patch_step_outputs():
+    # keras/src/backend/tensorflow/trainer.py: train/test/predict steps pass the outputs
+    # of `strategy.run` through module-level `reduce_per_replica`. A tfdp strategy has
+    # one local replica, so Keras would return local values; the strategy makes them
+    # global (mean for metrics, in-order gather for predictions).
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original = tf_trainer.reduce_per_replica
+
+    @functools.wraps(original)
+    def reduce_per_replica(values, strategy, reduction):
+        hooks = _strategy_hooks(strategy)
+        if hooks is None:
+            return original(values, strategy, reduction)
+        return hooks.reduce_step_outputs(values, reduction)
+
+    reduce_per_replica._tfdp_original = original
+    tf_trainer.reduce_per_replica = reduce_per_replica
+
+
+def _spec_batch(element_spec):
+    """A structure with the shape and dtype of every input, no data (OptionalSpec: None)."""
+    import tensorflow as tf
+
+    return tf.nest.map_structure(
+        lambda spec: spec if hasattr(spec, "shape") and hasattr(spec, "dtype") else None, element_spec)
+
+
+def _fully_defined_but_batch(spec_batch):
+    import tensorflow as tf
+
+    return all(spec is None or (spec.shape.rank is not None and spec.shape[1:].is_fully_defined())
+               for spec in tf.nest.flatten(spec_batch))
+
+
+def _model_built(model):
+    return (all(layer.built for layer in model._flatten_layers())
+            and (model._compile_metrics is None or model._compile_metrics.built)
+            and (model._compile_loss is None or model._compile_loss.built))
+
+
+class _PrimedIterator:
+    """A dataset iterator whose first element was taken to build the model; it comes first again."""
+
+    def __init__(self, iterator, first):
+        self._iterator = iterator
+        self._first = [first]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._first.pop() if self._first else next(self._iterator)
+
+    def get_next_as_optional(self):
+        import tensorflow as tf
+
+        if self._first:
+            return tf.experimental.Optional.from_value(self._first.pop())
+        return self._iterator.get_next_as_optional()
+
+
+def _patch_symbolic_build():
+    # keras/src/backend/tensorflow/trainer.py: under a strategy, fit/evaluate pull the
+    # first batch of a fresh iterator to build the model symbolically (`_symbolic_build`),
+    # then reset it. For a one-shot source (a Python generator, a PyDataset with workers)
+    # the batches that iterator prefetched are lost, and how many differs by rank.
+    # `_symbolic_build` only reads shapes and dtypes, so tfdp hands it the input's element
+    # spec. Where the spec leaves dimensions open and the model is not built yet, one
+    # real batch is taken and kept: the epoch's iterator yields it first
+    # (`TFEpochIterator._get_iterator`).
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+    original_get_iterator = tf_trainer.TFEpochIterator._get_iterator
+
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if (iterator is None or data_batch is not None or not _strategy_hooks(self._distribute_strategy)
+                or not isinstance(iterator, tf_trainer.TFEpochIterator)):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        data_batch = _spec_batch(iterator._distributed_dataset.element_spec)
+        if not _fully_defined_but_batch(data_batch) and not _model_built(self):
+            dataset_iterator = iter(original_get_iterator(iterator))
+            data_batch = next(dataset_iterator)
+            iterator._tfdp_primed = _PrimedIterator(dataset_iterator, data_batch)
+        return original(self, iterator=None, data_batch=data_batch)
+
+    @functools.wraps(original_get_iterator)
+    def _get_iterator(self):
+        primed = getattr(self, "_tfdp_primed", None)
+        if primed is not None:
+            self._tfdp_primed = None
+            return primed
+        return original_get_iterator(self)
+
+    _maybe_symbolic_build._tfdp_original = original
+    _get_iterator._tfdp_original = original_get_iterator
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    tf_trainer.TFEpochIterator._get_iterator = _get_iterator
+
+
+def checkpoint_due(callback, batch=None):
+    """Whether `callback` (ModelCheckpoint or BackupAndRestore) writes at this epoch end
+    (`batch` None) or at the end of training batch `batch`; ask before it runs.
+
+    For batch frequencies it asks Keras's own `_should_save_on_batch` (keras/src/callbacks/
+    model_checkpoint.py, backup_and_restore.py) on a copy, so the callback's counters move
+    only when the callback itself runs.
+    """
+    if batch is None:
+        return callback.save_freq == "epoch"
+    if callback.save_freq == "epoch" or not callback.save_freq:
+        return False
+    return copy.copy(callback)._should_save_on_batch(batch)
+
+
+def checkpoint_callbacks(callbacks):
+    """The user's callbacks that write checkpoints (ModelCheckpoint, BackupAndRestore)."""
+    from keras.src.callbacks.backup_and_restore import BackupAndRestore
+    from keras.src.callbacks.model_checkpoint import ModelCheckpoint
+
+    return [c for c in callbacks or [] if isinstance(c, (ModelCheckpoint, BackupAndRestore))]
+
+
+def _split_on_batch_inputs(method, names):
+    """Wrap `train_on_batch`/`test_on_batch`/`predict_on_batch`: each rank takes its rows of
+    the global batch, as `fit` does (Keras hands every replica the whole batch)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        hooks = _strategy_hooks(self._distribute_strategy)
+        if hooks is None:
+            return method(self, *args, **kwargs)
+        bound = dict(zip(names, args), **kwargs)
+        for name in names:
+            if name in bound:
+                bound[name] = hooks.split_batch(bound[name])
+        return method(self, **bound)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def _patch_on_batch():
+    # keras/src/backend/tensorflow/trainer.py: `train_on_batch(x, y, sample_weight,
+    # class_weight, return_dict)`, `test_on_batch(x, y, sample_weight, return_dict)` and
+    # `predict_on_batch(x)` run one step on the batch they are given, on every replica.
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    trainer = tf_trainer.TensorFlowTrainer
+    for method, names in (("train_on_batch", ("x", "y", "sample_weight")),
+                          ("test_on_batch", ("x", "y", "sample_weight")), ("predict_on_batch", ("x",))):
+        setattr(trainer, method, _split_on_batch_inputs(getattr(trainer, method), names))
+
+
+def _patch_callbacks():
+    # keras/src/callbacks/callback_list.py: `CallbackList.__init__(callbacks, add_history,
+    # add_progbar, model, **params)` is built by fit/evaluate/predict. tfdp's own callbacks
+    # go first (on every rank). On workers other than rank 0 tfdp drops the progress bar
+    # and TensorBoard, and ModelCheckpoint and BackupAndRestore keep counting batches (so
+    # every rank knows when a checkpoint is due) but never write.
+    from keras.src.callbacks import callback_list
+    from keras.src.callbacks.backup_and_restore import BackupAndRestore
+    from keras.src.callbacks.model_checkpoint import ModelCheckpoint
+    from keras.src.callbacks.tensorboard import TensorBoard
+
+    original = callback_list.CallbackList.__init__
+
+    @functools.wraps(original)
+    def __init__(self, callbacks=None, add_history=False, add_progbar=False, model=None, **params):
+        hooks = _strategy_hooks(getattr(model, "_distribute_strategy", None))
+        if hooks is not None:
+            callbacks = list(hooks.extra_callbacks(model, list(callbacks or []))) + list(callbacks or [])
+            if not hooks.is_chief:
+                add_progbar = False
+                kept = []
+                for callback in callbacks:
+                    if isinstance(callback, TensorBoard):
+                        continue
+                    if isinstance(callback, ModelCheckpoint):
+                        callback._save_model = lambda *args, **kwargs: None
+                    if isinstance(callback, BackupAndRestore):
+                        callback._save_model = lambda: None
+                        callback.on_train_end = lambda logs=None: None
+                    kept.append(callback)
+                callbacks = kept
+        original(self, callbacks, add_history=add_history, add_progbar=add_progbar, model=model, **params)
+
+    __init__._tfdp_original = original
+    callback_list.CallbackList.__init__ = __init__
+
+
+class _FewerBatches:
+    """A Keras data adapter seen through a smaller `num_batches`; everything else delegated."""
+
+    def __init__(self, adapter, num_batches):
+        self._adapter = adapter
+        self._num_batches = num_batches
+
+    @property
+    def num_batches(self):
+        return self._num_batches
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+
+def _input_count(iterator):
+    """This rank's batches per epoch: an int, INFINITE or UNKNOWN."""
+    known = iterator.data_adapter.num_batches
+    if known is not None:
+        return int(known)
+    cardinality = int(iterator._distributed_dataset.cardinality())
+    return INFINITE if cardinality == INFINITE else UNKNOWN
+
+
+def _patch_epoch_iterator():
+    # keras/src/backend/tensorflow/trainer.py: `TFEpochIterator.__init__(distribute_strategy,
+    # ...)` distributes the adapter's dataset; keras/src/trainers/epoch_iterator.py runs
+    # `num_batches` steps per epoch, or until the data runs out. Ranks that run out at
+    # different steps would deadlock in the next all-reduce. The strategy checks that every
+    # rank's inputs have the same shapes and dtypes and agrees on how to iterate: as is,
+    # up to the fewest batches, or (inputs of unknown length) step by step.
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original_init = tf_trainer.TFEpochIterator.__init__
+    original_next = tf_trainer.TFEpochIterator.__next__
+
+    @functools.wraps(original_init)
+    def __init__(self, distribute_strategy=None, *args, **kwargs):
+        original_init(self, distribute_strategy, *args, **kwargs)
+        self._tfdp_each_step = False
+        hooks = _strategy_hooks(distribute_strategy)
+        if hooks is None:
+            return
+        hooks.check_batch_size(getattr(self.data_adapter, "batch_size", None))
+        mode, fewest = hooks.agree_on_inputs(_input_count(self), self._distributed_dataset.element_spec,
+                                             bool(self.steps_per_epoch))
+        if mode == "fewest":
+            self._distributed_dataset = self._distributed_dataset.take(fewest)
+            self.data_adapter = _FewerBatches(self.data_adapter, fewest)
+            self._num_batches = fewest
+        self._tfdp_each_step = mode == "each_step"
+        self._tfdp_hooks = hooks
+
+    @functools.wraps(original_next)
+    def __next__(self):
+        if not self._tfdp_each_step:
+            return original_next(self)
+        # `_enumerate_iterator` yields (begin, end, tf.data iterator) per step. Fetch the
+        # step's batches here, agree that every rank has them, and hand Keras a Python
+        # iterator over them (its train function runs one step per element).
+        begin, end, iterator = next(self._epoch_iterator)
+        batches = []
+        for _ in range(self.steps_per_execution):
+            optional = iterator.get_next_as_optional()
+            if not self._tfdp_hooks.all_have_data(bool(optional.has_value())):
+                break
+            batches.append(optional.get_value())
+        if not batches:
+            self._current_iterator = None  # As Keras does when data runs out: start afresh next epoch.
+            raise StopIteration
+        return begin, end, iter(batches)
+
+    __init__._tfdp_original = original_init
+    __next__._tfdp_original = original_next
+    tf_trainer.TFEpochIterator.__init__ = __init__
+    tf_trainer.TFEpochIterator.__next__ = __next__
+
+
+def install():
+    """Install all hooks once per process."""
+    global _installed
+    if _installed:
+        return
+    _patch_optimizers()
+    _patch_step_outputs()
+    _patch_symbolic_build()
+    _patch_callbacks()
+    _patch_epoch_iterator()
+    _patch_on_batch()
+    _installed = True
+
+
+def hooked_functions():
+    """(owner, name) of every function `install` replaces, for tests."""
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.callbacks import callback_list
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+
+    return [
+        (base_optimizer.BaseOptimizer, "_clip_gradients"),
+        (base_optimizer.BaseOptimizer, "_backend_apply_gradients"),
+        (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients"),
+        (tf_optimizer.TFOptimizer, "__init__"),
+        (loss_scale_optimizer.LossScaleOptimizer, "apply"),
+        (tf_trainer, "reduce_per_replica"),
+        (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
+        (tf_trainer.TFEpochIterator, "_get_iterator"),
+        (callback_list.CallbackList, "__init__"),
+        (tf_trainer.TFEpochIterator, "__init__"),
+        (tf_trainer.TFEpochIterator, "__next__"),
+        (tf_trainer.TensorFlowTrainer, "train_on_batch"),
+        (tf_trainer.TensorFlowTrainer, "test_on_batch"),
+        (tf_trainer.TensorFlowTrainer, "predict_on_batch"),
+    ]
+

@@ -1,0 +1,70 @@
+"""Every use tfdp makes of TensorFlow's non-public modules, each naming its file."""
+
+import tensorflow as tf
+
+# tensorflow/python/distribute/mirrored_strategy.py: the `StrategyExtendedV2` of
+# `tf.distribute.MirroredStrategy`. tfdp's strategies reuse its variable creation (one
+# local replica) and override every cross-replica operation with Horovod collectives.
+from tensorflow.python.distribute.mirrored_strategy import MirroredExtended  # noqa: F401
+
+# tensorflow/python/distribute/values.py: a value known to be the same on every replica.
+from tensorflow.python.distribute.values import Mirrored  # noqa: F401
+
+
+def local_variable(initial_value, name):
+    """Create a non-trainable variable outside any strategy's variable creator.
+
+    tfdp's own state (counters, error-feedback residuals, PowerSGD's Q) is created lazily,
+    sometimes while a Keras step is being traced under a tfdp strategy. Calling
+    `ResourceVariable` directly (tensorflow/python/ops/resource_variable_ops.py) skips the
+    creator stack, so the strategy neither broadcasts the value nor checks it against other
+    ranks; `init_scope` lifts the creation out of the traced function. Pass
+    `initial_value` as a callable when it would otherwise be computed inside a traced
+    function.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    with tf.init_scope(), tf.device("/cpu:0"):
+        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+
+
+def global_seed():
+    """TensorFlow's global random seed, or None when none was set.
+
+    Reads tensorflow/python/eager/context.py `Context.global_seed` (eager) or the graph's
+    `seed` attribute. Unlike `random_seed.get_seed`, it does not raise when op
+    determinism is enabled and no seed is set.
+    """
+    from tensorflow.python.eager import context
+
+    if tf.executing_eagerly():
+        return context.global_seed()
+    return tf.compat.v1.get_default_graph().seed
+
+
+def in_xla_context():
+    """True while tracing a function that XLA will compile (jit_compile=True).
+
+    tensorflow/python/ops/control_flow_util.py `GraphOrParentsInXlaContext`.
+    """
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def outermost_function_graph():
+    """The graph of the outermost `tf.function` being traced, or None when executing eagerly.
+
+    Walks `outer_graph` (tensorflow/python/framework/func_graph.py `FuncGraph`) out of
+    cond/while branch graphs and nested functions, which are traced as graphs of their own.
+    """
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    if not isinstance(graph, FuncGraph):
+        return None
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        graph = graph.outer_graph
+    return graph

@@ -1,0 +1,187 @@
+"""`Communicator`: the collectives tfdp uses, counted; `HorovodCommunicator` runs them on Horovod.
+
+Everything tfdp exchanges between workers goes through a `Communicator`, so
+`communication_stats()` is a count of real calls, not an estimate. Subclasses implement
+three primitives (`_allreduce`, `_allgather`, `_broadcast`); the base class does the
+counting, the single-worker shortcut and the grouping by dtype.
+"""
+
+import abc
+import weakref
+
+import tensorflow as tf
+
+from tfdp._compat.tensorflow import outermost_function_graph
+from tfdp.comm.stats import CommunicationStats, nbytes
+
+_OPS = ("sum", "average", "min", "max")
+
+
+class Communicator(abc.ABC):
+    """Collectives across all workers, counted in a `CommunicationStats`.
+
+    With one worker every collective is the identity and nothing is counted.
+
+    Example:
+        >>> comm = HorovodCommunicator()
+        >>> [total] = comm.allreduce([tf.ones([3])], op="sum")
+    """
+
+    def __init__(self, stats=None):
+        self.stats = stats if stats is not None else CommunicationStats()
+
+    @property
+    @abc.abstractmethod
+    def rank(self):
+        """This worker's rank."""
+
+    @property
+    @abc.abstractmethod
+    def size(self):
+        """The number of workers."""
+
+    @abc.abstractmethod
+    def _allreduce(self, tensors, op, name):
+        """Reduce each tensor across workers (`op` in sum/average/min/max)."""
+
+    @abc.abstractmethod
+    def _allgather(self, tensors):
+        """Concatenate each tensor (all of one dtype) across workers along axis 0."""
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor, root_rank):
+        """Root's tensor on every worker."""
+
+    def _count(self, tensors, gradients=False):
+        if not tensors:
+            return
+        self.stats.add("collectives", 1)
+        total = tf.add_n([nbytes(t) for t in tensors])
+        self.stats.add("payload_bytes", total)
+        if gradients:
+            self.stats.add("gradient_bytes", total)
+
+    def allreduce(self, tensors, op="sum", gradients=False, name=None):
+        """Reduce a list of tensors across workers in one fused collective.
+
+        ``gradients=True`` also counts the bytes as gradient traffic. `name` names the
+        collective inside a traced function (default: its position there).
+        """
+        if op not in _OPS:
+            raise ValueError(f"`op` must be one of {_OPS}. Received: op={op!r}")
+        tensors = list(tensors)
+        if self.size == 1 or not tensors:
+            return tensors
+        self._count(tensors, gradients)
+        return list(self._allreduce(tensors, op, name))
+
+    def allreduce_in_background(self, tensor, gradients=False):
+        """Sum one tensor across workers from a background thread (eagerly), counted.
+
+        Workers pair these by their order among background calls, which must come from one
+        thread at a time.
+        """
+        if self.size == 1:
+            return tensor
+        self._count([tensor], gradients)
+        return self._background_sum(tensor)
+
+    def _background_sum(self, tensor):
+        return self._allreduce([tensor], "sum", None)[0]
+
+    def allgather_many(self, tensors, gradients=False):
+        """Concatenate each tensor across workers along axis 0, in rank order.
+
+        One grouped collective per dtype (Horovod groups only tensors of one dtype).
+        The first dimension may differ across workers.
+        """
+        tensors = list(tensors)
+        if self.size == 1 or not tensors:
+            return tensors
+        gathered = [None] * len(tensors)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            chosen = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            group = [tensors[i] for i in chosen]
+            self._count(group, gradients)
+            for i, result in zip(chosen, self._allgather(group)):
+                gathered[i] = result
+        return gathered
+
+    def allgather_stacked(self, tensors, gradients=False):
+        """Gather each tensor from every worker into a new leading axis of workers."""
+        return self.allgather_many([t[None] for t in tensors], gradients)
+
+    def allgather(self, tensor):
+        """Concatenate `tensor` from every worker along axis 0, in rank order."""
+        return self.allgather_many([tensor])[0]
+
+    def broadcast(self, tensor, root_rank=0):
+        """Return root's `tensor` on every worker."""
+        if self.size == 1:
+            return tensor
+        self._count([tensor])
+        return self._broadcast(tensor, root_rank)
+
+
+_collectives_per_graph = weakref.WeakKeyDictionary()
+def graph_collective_name(kind):
+    """A name for a collective traced into a `tf.function`, the same on every rank.
+
+    Horovod pairs graph-mode collectives across workers by name, and by default derives it
+    from the input tensors' names, which carry Keras's automatic layer names: those differ
+    across ranks when one rank built another model first, and the job would hang. Named by
+    their position in the outermost traced function instead, collectives pair by creation
+    order, as tf.distribute's do; a rank that retraces a function creates them in the same
+    order again. None when executing eagerly (Horovod orders eager collectives itself).
+    """
+    graph = outermost_function_graph()
+    if graph is None:
+        return None
+    index = _collectives_per_graph.get(graph, 0)
+    _collectives_per_graph[graph] = index + 1
+    return f"tfdp_{kind}_{index}"
+
+
+class HorovodCommunicator(Communicator):
+    """`Communicator` over Horovod's collectives (Gloo or MPI on CPU)."""
+
+    def __init__(self, stats=None):
+        from tfdp._compat.horovod import horovod
+
+        self._hvd = horovod()
+        super().__init__(stats)
+
+    @property
+    def rank(self):
+        return self._hvd.rank()
+
+    @property
+    def size(self):
+        return self._hvd.size()
+
+    def _allreduce(self, tensors, op, name):
+        hvd_op = {"sum": self._hvd.Sum, "average": self._hvd.Average, "min": self._hvd.Min,
+                  "max": self._hvd.Max}[op]
+        # ignore_name_scope: the scope (the optimizer's name, say) differs across ranks too.
+        name = name or graph_collective_name("allreduce")
+        if len(tensors) == 1:
+            return [self._hvd.allreduce(tensors[0], op=hvd_op, name=name, ignore_name_scope=True)]
+        return self._hvd.grouped_allreduce(tensors, op=hvd_op, name=name, ignore_name_scope=True)
+
+    def _background_sum(self, tensor):
+        # Eager Horovod ops of one kind share a cached TF kernel, so the name passed is
+        # ignored and a background all-reduce would be paired with whatever all-reduce the
+        # training thread has in flight (measured: a scalar met a gradient vector). A
+        # one-tensor grouped all-reduce is a kind the training thread never issues
+        # (`_allreduce` sends single tensors with `allreduce`).
+        return self._hvd.grouped_allreduce([tensor], op=self._hvd.Sum)[0]
+
+    def _allgather(self, tensors):
+        name = graph_collective_name("allgather")
+        if len(tensors) == 1:
+            return [self._hvd.allgather(tensors[0], name=name, ignore_name_scope=True)]
+        return self._hvd.grouped_allgather(tensors, name=name, ignore_name_scope=True)
+
+    def _broadcast(self, tensor, root_rank):
+        return self._hvd.broadcast(tensor, root_rank, name=graph_collective_name("broadcast"),
+                                   ignore_name_scope=True)

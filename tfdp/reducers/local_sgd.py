@@ -1,0 +1,121 @@
+"""Local SGD: H local optimizer steps per worker, then one average of the models.
+
+Lin et al., post-local SGD (https://arxiv.org/abs/1808.07217): synchronous warm-up steps,
+then local steps. With an outer learning rate or momentum the average becomes an outer
+optimizer step on the averaged change, as in DiLoCo (https://arxiv.org/abs/2311.08105).
+"""
+
+import tensorflow as tf
+
+from tfdp._compat.tensorflow import local_variable
+from tfdp.reducers.base import GradientReducer, variable_key
+
+
+class LocalSGD(GradientReducer):
+    """Reducer of `tfdp.AsyncStrategy(sync_every=H)`.
+
+    During the first `warmup_steps` updates gradients are all-reduced every step. After
+    that each worker applies its own gradient, and after every H-th local update the
+    trainable variables are averaged across workers (one all-reduce of the weights).
+    `settle` averages once more (at the end of `fit`, and before a checkpoint) so every
+    rank holds the same model. The step counters, anchors and outer momenta are reducer
+    state, saved with the optimizer.
+
+    Args:
+        communicator: a `tfdp.comm.Communicator`.
+        sync_every: H >= 1 local steps between averages.
+        warmup_steps: synchronous steps first.
+        outer_learning_rate, outer_momentum: the outer step applied to the averaged
+            change since the last average (Nesterov momentum when > 0). 1.0 and 0.0
+            give plain model averaging.
+    """
+
+    rounds_per_step = 0  # Rounds are counted where they happen: sync steps and averages.
+    supports_accumulation = False
+    description = "local SGD (AsyncStrategy)"
+
+    def __init__(self, communicator, sync_every, warmup_steps=0, outer_learning_rate=1.0,
+                 outer_momentum=0.0):
+        super().__init__(communicator, op="sum")
+        self.sync_every = sync_every
+        self.warmup_steps = warmup_steps
+        self.outer_learning_rate = outer_learning_rate
+        self.outer_momentum = outer_momentum
+        self._step = self.state.variable("local_sgd_step", lambda: tf.constant(0, tf.int64))
+        self._since_sync = self.state.variable("local_sgd_since_sync", lambda: tf.constant(0, tf.int64))
+        self._max_staleness = local_variable(tf.constant(0, tf.int64), "tfdp_local_max_staleness")
+        self._variables = None
+
+    def stats(self):
+        return {"max_staleness": int(self._max_staleness.numpy())}
+
+    def _reduce(self, grads, variables):
+        size = self.communicator.size
+
+        def synchronous():
+            self.communicator.stats.add("rounds", 1)
+            return self.communicator.allreduce(grads, op="sum", gradients=True)
+
+        def local():
+            # Keras divides each worker's loss by the number of workers; undo it so a
+            # local step is a full step on this worker's batch.
+            return [g * size for g in grads]
+
+        if size == 1:
+            return grads
+        if self.warmup_steps > 0:
+            return tf.cond(self._step < self.warmup_steps, synchronous, local)
+        return local()
+
+    def _anchor(self, variable):
+        return self.state.variable(f"{variable_key(variable)}/anchor", lambda: tf.identity(variable))
+
+    def _momentum(self, variable):
+        return self.state.variable(f"{variable_key(variable)}/outer_momentum", lambda: tf.zeros_like(variable))
+
+    def _average(self):
+        """Replace every worker's variables by the outer step from the average."""
+        self.communicator.stats.add("rounds", 1)
+        averaged = self.communicator.allreduce(
+            [tf.convert_to_tensor(v) for v in self._variables], op="average", gradients=True)
+        for var, avg in zip(self._variables, averaged):
+            anchor = self._anchor(var)
+            change = tf.convert_to_tensor(anchor) - avg
+            if self.outer_momentum:
+                momentum = self._momentum(var)
+                momentum.assign(self.outer_momentum * momentum + change)
+                change = change + self.outer_momentum * momentum  # Nesterov
+            new = tf.convert_to_tensor(anchor) - self.outer_learning_rate * change
+            anchor.assign(new)
+            var.assign(new)
+        self._max_staleness.assign(tf.maximum(self._max_staleness, self._since_sync - 1))
+        self._since_sync.assign(0)
+        return tf.constant(True)
+
+    def _reset_anchors(self):
+        for var in self._variables:
+            self._anchor(var).assign(var)
+        return tf.constant(True)
+
+    def after_update(self, variables):
+        """Count the update; average every H local steps."""
+        if self._variables is None:
+            self._variables = list(variables)
+            for var in self._variables:  # Created here, in this order, on every rank.
+                self._anchor(var)
+                if self.outer_momentum:
+                    self._momentum(var)
+        self._step.assign_add(1)
+        if self.communicator.size == 1:
+            return
+        local_phase = self._step > self.warmup_steps
+        since = self._since_sync.assign_add(tf.cast(local_phase, tf.int64))
+        tf.cond(local_phase & (since >= self.sync_every), self._average, lambda: tf.constant(False))
+        if self.warmup_steps:
+            # Synchronous steps keep the anchor at the shared weights.
+            tf.cond(local_phase, lambda: tf.constant(False), self._reset_anchors)
+
+    def settle(self, apply_gradients=None):
+        """Average the models if any local step happened since the last average."""
+        if self.communicator.size > 1 and self._variables is not None and int(self._since_sync.numpy()) > 0:
+            self._average()

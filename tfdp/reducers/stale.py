@@ -1,0 +1,178 @@
+"""Bounded-staleness gradient exchange: all-reduce in the background, apply s steps later.
+
+At step t a worker hands its gradient to a background thread, which all-reduces the
+gradients in step order (each rank submits the same sequence, so Horovod pairs them), and the step then applies the globally summed gradient of step t - s,
+waiting for it if it is not there yet. That wait is the bound: no worker ever applies a
+gradient older than s steps, and a worker can run at most s steps ahead of the slowest
+one. Every rank applies the same sequence of summed gradients, so weights stay identical.
+"""
+
+import collections
+import threading
+import time
+
+import tensorflow as tf
+
+from tfdp._compat.tensorflow import local_variable
+from tfdp.reducers.base import GradientReducer
+
+WAIT_TIMEOUT_SECONDS = 600
+
+
+class ExchangePipeline:
+    """A background thread that all-reduces submitted float32 vectors in order.
+
+    Example:
+        >>> pipeline = ExchangePipeline(communicator, staleness=1)
+        >>> applied, age = pipeline.step(local_gradient)  # the sum of step t - 1, or None
+    """
+
+    def __init__(self, communicator, staleness, delay_seconds=0.0):
+        self.communicator = communicator
+        self.staleness = staleness
+        self.delay_seconds = delay_seconds
+        self.blocked_seconds = 0.0
+        self.exchange_seconds = 0.0
+        self.exchanges = 0
+        self._submitted = 0
+        self._applied = 0
+        self._pending = collections.deque()
+        self._results = {}
+        self._error = None
+        self._condition = threading.Condition()
+        self._thread = None
+
+    def _ensure_thread(self):
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="tfdp-exchange", daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        while True:
+            with self._condition:
+                while not self._pending:
+                    self._condition.wait()
+                index, vector = self._pending.popleft()
+            if index is None:
+                return
+            start = time.monotonic()
+            try:
+                if self.delay_seconds:
+                    time.sleep(self.delay_seconds)  # Benchmarks only: an emulated slow link.
+                vector = self.communicator.allreduce_in_background(vector, gradients=True)
+                with self._condition:
+                    self._results[index] = vector
+                    self.exchange_seconds += time.monotonic() - start
+                    self.exchanges += 1
+                    self._condition.notify_all()
+            except Exception as err:  # noqa: BLE001 - surfaced in the training thread.
+                with self._condition:
+                    self._error = err
+                    self._condition.notify_all()
+                return
+
+    def _wait_for(self, index):
+        start = time.monotonic()
+        with self._condition:
+            while index not in self._results:
+                if self._error is not None:
+                    raise RuntimeError(f"tfdp: the background gradient exchange failed: {self._error}")
+                if time.monotonic() - start > WAIT_TIMEOUT_SECONDS:
+                    raise RuntimeError(
+                        f"tfdp: no summed gradient for step {index} after {WAIT_TIMEOUT_SECONDS} s; "
+                        "a worker has stopped or is far behind."
+                    )
+                self._condition.wait(timeout=1.0)
+            self.blocked_seconds += time.monotonic() - start
+            return self._results.pop(index)
+
+    def step(self, vector):
+        """Submit this step's gradient; return (summed gradient of step t - s or None, its age).
+
+        `vector` is an eager tensor: immutable, so the thread can hold it without a copy.
+        """
+        self._ensure_thread()
+        with self._condition:
+            self._pending.append((self._submitted, vector))
+            self._submitted += 1
+            self._condition.notify_all()
+        if self._submitted - self._applied <= self.staleness:
+            return None, 0
+        index = self._applied
+        self._applied += 1
+        return self._wait_for(index), self._submitted - 1 - index
+
+    def drain(self):
+        """Wait for every submitted exchange; return the summed gradients not yet applied."""
+        remaining = []
+        while self._applied < self._submitted:
+            remaining.append(self._wait_for(self._applied))
+            self._applied += 1
+        return remaining
+
+
+class StaleGradients(GradientReducer):
+    """Reducer of `tfdp.AsyncStrategy(staleness=s)`: apply the summed gradient of step t - s.
+
+    For the first s steps of each `fit` nothing is applied; `settle` (at the end of `fit`
+    and before every checkpoint) applies the summed gradients still in flight, in order,
+    so no gradient is lost and a checkpoint never leaves one behind.
+
+    Args:
+        communicator: a `tfdp.comm.Communicator`.
+        staleness: s >= 0; 0 is synchronous.
+        damping: None, or ``"lr"`` to scale each applied gradient by 1 / (1 + age).
+        delay_seconds: an artificial delay per exchange, for benchmarks.
+    """
+
+    supports_accumulation = False
+    description = "bounded-staleness exchange (AsyncStrategy)"
+
+    def __init__(self, communicator, staleness, damping=None, delay_seconds=0.0):
+        super().__init__(communicator, op="sum")
+        self.staleness = staleness
+        self.damping = damping
+        self.pipeline = ExchangePipeline(communicator, staleness, delay_seconds)
+        self._max_staleness = local_variable(tf.constant(0, tf.int64), "tfdp_max_staleness")
+        self._shapes = None
+        self._variables = None
+
+    def stats(self):
+        return {"max_staleness": int(self._max_staleness.numpy()),
+                "blocked_seconds": self.pipeline.blocked_seconds,
+                "exchange_seconds": self.pipeline.exchange_seconds}
+
+    def _exchange(self, vector):
+        applied, age = self.pipeline.step(vector)
+        if applied is None:
+            return tf.zeros_like(vector), tf.constant(-1, tf.int64)
+        return applied, tf.constant(age, tf.int64)
+
+    def _reduce(self, grads, variables):
+        self._shapes = [(g.shape, g.dtype) for g in grads]
+        flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in grads], axis=0)
+        # py_function hands the step's tensor to Python without a copy; the exchange
+        # runs outside this graph, so it can outlive the step.
+        applied, age = tf.py_function(self._exchange, [flat], [tf.float32, tf.int64])
+        applied = tf.reshape(applied, tf.shape(flat))
+        self._max_staleness.assign(tf.maximum(self._max_staleness, age))
+        if self.damping == "lr":
+            applied = applied / tf.cast(1 + tf.maximum(age, 0), tf.float32)
+        return self._unflatten(applied)
+
+    def _unflatten(self, vector):
+        pieces = tf.split(vector, [s.num_elements() for s, _ in self._shapes])
+        return [tf.cast(tf.reshape(p, s), d) for p, (s, d) in zip(pieces, self._shapes)]
+
+    def after_update(self, variables):
+        """Remember the variables the gradients belong to (for `settle`)."""
+        self._variables = list(variables)
+
+    def settle(self, apply_gradients):
+        """Apply the summed gradients still in flight, in order."""
+        pending = self.pipeline.drain()
+        if not pending or self._variables is None:
+            return
+        scale = 1.0 / (1 + self.staleness) if self.damping == "lr" else 1.0
+        for vector in pending:
+            apply_gradients(self._unflatten(tf.cast(vector, tf.float32) * scale), self._variables)

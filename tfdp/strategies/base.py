@@ -1,0 +1,99 @@
+"""`HorovodStrategy`: the set-up shared by all tfdp strategies; subclasses choose the reducer."""
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp import _compat
+from tfdp._compat.keras import gradients_reduced
+from tfdp._compat.tensorflow import global_seed, local_variable
+from tfdp.comm import HorovodCommunicator
+from tfdp.strategies import output
+from tfdp.strategies.extended import HorovodExtended
+from tfdp.strategies.settle import SettleState
+from tfdp.strategies.watchdog import StepWatchdog, timeout_from_env
+
+
+class HorovodStrategy(tf.distribute.Strategy):
+    """Shared set-up of the tfdp strategies; `make_reducer(communicator)` gives the reducer."""
+
+    _collective_key_base = 0  # Read by MirroredExtended.__init__; tfdp uses no TF collectives.
+
+    def __init__(self, make_reducer, global_step_logs=True, skip_nonfinite=False):
+        _compat.install()
+        for name, value in (("global_step_logs", global_step_logs), ("skip_nonfinite", skip_nonfinite)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+        communicator = HorovodCommunicator()
+        super().__init__(HorovodExtended(self, communicator, make_reducer(communicator), global_step_logs))
+        self._step_timeout_seconds = timeout_from_env()  # A bad value fails here, on every rank.
+        if skip_nonfinite:
+            self.extended.skipped_steps = local_variable(lambda: tf.constant(0, tf.int64), "tfdp_skipped_steps")
+        if communicator.size > 1:
+            self._share_random_seed(communicator)
+        output.follow_rank(communicator.rank, communicator.size)
+
+    @staticmethod
+    def _share_random_seed(communicator):
+        # Keras shuffles `fit` inputs with TF's global seed; ranks must draw the same
+        # permutation or the global batches would not partition the data. A seed the
+        # user set (before or after this) is kept; with none, rank 0's random one is shared.
+        if global_seed() is not None:
+            return
+        seed = tf.constant([np.random.SeedSequence().entropy % (2**31)], tf.int64)
+        tf.random.set_seed(int(communicator.broadcast(seed, root_rank=0).numpy()[0]))
+
+    @property
+    def rank(self):
+        """This worker's Horovod rank."""
+        return self.extended.rank
+
+    @property
+    def is_chief(self):
+        """True on rank 0, the worker that prints and writes files."""
+        return self.extended.is_chief
+
+    @property
+    def gradient_reducer(self):
+        """The `tfdp.reducers.GradientReducer` that exchanges this strategy's gradients."""
+        return self.extended.gradient_reducer
+
+    def communication_stats(self):
+        """Return what this worker handed to collectives since the strategy was created.
+
+        Returns:
+            dict with ``steps`` (gradient exchanges), ``collectives`` (collective
+            calls), ``payload_bytes`` (bytes handed to collectives, all of them),
+            ``gradient_bytes`` (the part that carried gradients), ``dense_bytes`` (what
+            the exchanged gradients are as float32), ``rounds``, ``max_staleness`` and
+            any statistics of the strategy's reducer.
+        """
+        stats = self.extended.communicator.stats.as_dict()
+        stats.update(self.gradient_reducer.stats())
+        return stats
+
+    def training_callbacks(self, model=None, callbacks=()):
+        """Callbacks tfdp adds (first, on every rank) to `fit`, `evaluate` and `predict`."""
+        extra = [SettleState(self, callbacks)]
+        if self.extended.communicator.size > 1:
+            extra.append(StepWatchdog(self.rank, self._step_timeout_seconds))
+        return extra
+
+    def settle(self, optimizer):
+        """Finish in-flight exchanges and gather every rank's reducer state.
+
+        Call it on every rank (it runs collectives) before saving a model by hand on rank
+        0, so the file holds a complete state; tfdp calls it before each checkpoint its
+        callbacks write and at the end of `fit`.
+        """
+
+        def apply_gradients(grads, variables):
+            with gradients_reduced():
+                self.run(optimizer.apply, args=(grads, variables))
+
+        self.gradient_reducer.settle(apply_gradients)
+        self.gradient_reducer.state.snapshot()
+
+    def skipped_steps(self):
+        """Steps skipped on every rank because a reduced gradient was not finite (``skip_nonfinite``)."""
+        counter = self.extended.skipped_steps
+        return 0 if counter is None else int(counter.numpy())

@@ -1,0 +1,61 @@
+"""Split global batches across workers.
+
+Rule: a global batch of ``n`` rows gives rank ``r`` of ``P`` the contiguous rows
+``[n*r//P, n*(r+1)//P)``. Full batches of a batch size divisible by ``P`` split
+evenly; a smaller last batch splits as evenly as possible (ranks differ by at most
+one row, and no row is dropped or repeated). Concatenating the ranks' rows in rank
+order gives back the global batch, which is how `predict` restores input order.
+Dense, sparse (`tf.SparseTensor`) and ragged (`tf.RaggedTensor`) inputs split by rows.
+"""
+
+import tensorflow as tf
+
+
+def rank_rows(n, rank, size):
+    """Return ``(start, stop)`` of rank's share of a batch of ``n`` rows.
+
+    Example:
+        >>> rank_rows(10, 1, 3)
+        (3, 6)
+    """
+    return (n * rank) // size, (n * (rank + 1)) // size
+
+
+def _num_rows(t):
+    if isinstance(t, tf.SparseTensor):
+        return t.dense_shape[0]
+    if isinstance(t, tf.RaggedTensor):
+        return t.nrows(out_type=tf.int64)
+    return tf.shape(t, out_type=tf.int64)[0]
+
+
+def _slice_rows(t, start, stop):
+    if isinstance(t, tf.SparseTensor):
+        rank = tf.size(t.dense_shape)
+        begin = tf.concat([[start], tf.zeros([rank - 1], tf.int64)], 0)
+        size = tf.concat([[stop - start], t.dense_shape[1:]], 0)
+        return tf.sparse.slice(t, begin, size)
+    return t[start:stop]
+
+
+def take_rows(structure, rank, size):
+    """This rank's rows of one global batch (any nest of dense, sparse or ragged tensors)."""
+    flat = [t for t in tf.nest.flatten(structure, expand_composites=False) if t is not None]
+    n = _num_rows(flat[0])
+    start, stop = rank_rows(n, rank, size)
+    return tf.nest.map_structure(lambda t: None if t is None else _slice_rows(t, start, stop), structure)
+
+
+def shard_global_batches(dataset, rank, size):
+    """Return a dataset yielding this rank's rows of every global batch of `dataset`.
+
+    Example:
+        >>> ds = tf.data.Dataset.range(8).batch(4)
+        >>> [b.numpy().tolist() for b in shard_global_batches(ds, rank=1, size=2)]
+        [[2, 3], [6, 7]]
+    """
+    if size == 1:
+        return dataset
+    if isinstance(dataset.element_spec, tuple):
+        return dataset.map(lambda *batch: take_rows(batch, rank, size))
+    return dataset.map(lambda batch: take_rows(batch, rank, size))

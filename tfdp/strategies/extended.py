@@ -1,0 +1,304 @@
+"""`HorovodExtended`: the `tf.distribute` internals shared by all tfdp strategies.
+
+Each process holds one replica on its CPU (or its local device); the strategy reports
+`num_replicas_in_sync` equal to the number of Horovod workers, so Keras scales losses and
+splits work as it would for that many replicas, and every cross-replica operation is a
+collective of the strategy's `Communicator`. It also implements `tfdp._compat.keras.
+StrategyHooks`, what tfdp's Keras hooks ask of a strategy.
+"""
+
+import sys
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp._compat.keras import UNKNOWN, StrategyHooks
+from tfdp._compat.tensorflow import Mirrored, MirroredExtended, in_xla_context, local_variable
+from tfdp.strategies.data import shard_global_batches, take_rows
+
+_SIGNATURE_DIMS = 8
+
+
+def _variable_signature(value):
+    """dtype, rank and shape of an initial value as an int64 row (names are not compared)."""
+    shape = list(value.shape)
+    dims = shape[:_SIGNATURE_DIMS] + [-1] * (_SIGNATURE_DIMS - len(shape))
+    return [value.dtype.as_datatype_enum, len(shape)] + [int(d) for d in dims]
+
+
+def _describe_signature(row):
+    ndim = int(row[1])
+    dims = [int(d) for d in row[2 : 2 + min(ndim, _SIGNATURE_DIMS)]]
+    return f"dtype={tf.dtypes.as_dtype(int(row[0])).name}, shape={dims}"
+
+
+def _describe_spec(element_spec):
+    """`dtype[shape without the batch axis]` of every input, e.g. 'float32[4], int64[]'."""
+    parts = []
+    for spec in tf.nest.flatten(element_spec):
+        dtype = getattr(spec, "dtype", None)
+        shape = getattr(spec, "shape", None)
+        kind = {"SparseTensorSpec": "sparse ", "RaggedTensorSpec": "ragged "}.get(type(spec).__name__, "")
+        parts.append("none" if dtype is None else f"{kind}{dtype.name}{list(shape)[1:]}")
+    return ", ".join(parts)
+
+
+class HorovodExtended(MirroredExtended, StrategyHooks):
+    """`tf.distribute` internals of the tfdp strategies: one local replica per worker."""
+
+    def __init__(self, container_strategy, communicator, gradient_reducer, global_step_logs=True):
+        self.communicator = communicator
+        self.gradient_reducer = gradient_reducer
+        self.global_step_logs = global_step_logs
+        self.skipped_steps = None
+        self._rank = communicator.rank
+        self._size = communicator.size
+        # Orders each step's output reduction after the previous step's (see reduce_step_outputs).
+        self._outputs_fence = local_variable(tf.constant(0, tf.int64), "tfdp_step_outputs_fence")
+        super().__init__(container_strategy, devices=["/cpu:0"])
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def is_chief(self):
+        return self._rank == 0
+
+    # -- replicas ---------------------------------------------------------------
+    @property
+    def _num_replicas_in_sync(self):
+        return self._size
+
+    def _use_merge_call(self):
+        # One local replica: every cross-replica step can run inline in replica context.
+        return False
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if self._size > 1 and in_xla_context():
+            raise ValueError(
+                "tfdp runs Horovod collectives, which cannot be compiled by XLA. "
+                "Received a step compiled with jit_compile=True. "
+                "Pass jit_compile=False to model.compile() (or to tf.function)."
+            )
+        # One local replica: run it inline, as TF's default strategy does. Unlike
+        # MirroredStrategy's replica threads, an inline ReplicaContext can merge_call
+        # from inside cond branches (LossScaleOptimizer updates variables there).
+        with tf.distribute.ReplicaContext(self._container_strategy(), replica_id_in_sync_group=self._rank):
+            return fn(*args, **kwargs)
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return 0
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return self._rank
+
+    # -- variables ----------------------------------------------------------------
+    def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
+        initial_value = kwargs["initial_value"]
+        if self._size == 1:
+            return initial_value
+        name = kwargs.get("name")
+        dtype = kwargs.get("dtype")
+
+        def initial_value_from_rank0():
+            value = initial_value() if callable(initial_value) else initial_value
+            value = tf.convert_to_tensor(value, dtype=dtype)
+            if tf.executing_eagerly():
+                self._check_same_variable_everywhere(name, value)
+            return self.communicator.broadcast(value, root_rank=0)
+
+        return initial_value_from_rank0
+
+    def _check_same_variable_everywhere(self, name, value):
+        """Variables are matched by creation order, shape and dtype, as Horovod and tf.distribute do.
+
+        Names are not compared (Keras's automatic names differ when one rank built another
+        model first); they appear only in the error, once shapes or dtypes differ.
+        """
+        mine = np.array([_variable_signature(value)], dtype=np.int64)
+        everyone = self.communicator.allgather(tf.constant(mine)).numpy()
+        differ = [rank for rank, row in enumerate(everyone) if not np.array_equal(row, everyone[0])]
+        if not differ:
+            return
+        names = self._gather_strings(str(name))
+        rank = differ[0]
+        raise ValueError(
+            f"tfdp: the model differs across workers. The variable created in this position is "
+            f"{names[0]!r} with {_describe_signature(everyone[0])} on rank 0 but {names[rank]!r} with "
+            f"{_describe_signature(everyone[rank])} on rank {rank}. Build the same model, in the same "
+            "order, on every worker.")
+
+    def _gather_strings(self, text):
+        data = np.frombuffer(text.encode(), np.uint8)
+        lengths = self.communicator.allgather(tf.constant([len(data)], tf.int64)).numpy()
+        joined = bytes(self.communicator.allgather(tf.constant(data, tf.uint8)).numpy())
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        return [joined[offsets[i]:offsets[i + 1]].decode() for i in range(len(lengths))]
+
+    # -- collectives --------------------------------------------------------------
+    @staticmethod
+    def _op_name(reduce_op):
+        if isinstance(reduce_op, str):
+            reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+        return "sum" if reduce_op == tf.distribute.ReduceOp.SUM else "average"
+
+    def _local(self, value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            value = self._container_strategy().experimental_local_results(value)[0]  # The only replica.
+        return tf.convert_to_tensor(value)  # Densifies IndexedSlices too.
+
+    def _all_reduce_structure(self, reduce_op, value):
+        flat = [self._local(v) for v in tf.nest.flatten(value)]
+        reduced = self.communicator.allreduce(flat, op=self._op_name(reduce_op))
+        return tf.nest.pack_sequence_as(value, reduced)
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        return self._all_reduce_structure(reduce_op, value)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if isinstance(value, Mirrored) and self._op_name(reduce_op) == "average":
+            return self._local(value)  # Already the same on every worker.
+        return self._all_reduce_structure(reduce_op, value)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        return self._all_reduce_structure(reduce_op, [v for v, _ in value_destination_pairs])
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        local = self._local(value)
+        if axis == 0:
+            return self.communicator.allgather(local)
+        perm = [axis] + [i for i in range(local.shape.rank) if i != axis]
+        gathered = self.communicator.allgather(tf.transpose(local, perm))
+        return tf.transpose(gathered, np.argsort(perm))
+
+    def _broadcast_to(self, tensor, destinations):
+        return tensor
+
+    def _gather_rows(self, value):
+        """Every rank's rows of a step output, in rank order (dense, ragged or sparse)."""
+        if isinstance(value, tf.RaggedTensor):
+            lengths = [self.communicator.allgather(r) for r in value.nested_row_lengths()]
+            return tf.RaggedTensor.from_nested_row_lengths(self.communicator.allgather(value.flat_values), lengths)
+        if isinstance(value, tf.SparseTensor):
+            rows = self.communicator.allgather(value.dense_shape[:1])
+            offset = tf.reduce_sum(rows[: self._rank])
+            indices = value.indices + tf.pad([offset], [[0, tf.size(value.dense_shape) - 1]])
+            shape = tf.concat([[tf.reduce_sum(rows)], value.dense_shape[1:]], 0)
+            return tf.SparseTensor(self.communicator.allgather(indices), self.communicator.allgather(value.values),
+                                   shape)
+        if tf.is_tensor(value):
+            return self.communicator.allgather(value)
+        return value
+
+    # -- StrategyHooks ------------------------------------------------------------
+    def reduce_step_outputs(self, values, reduction):
+        """Make Keras step outputs global: predictions gathered in order, numbers averaged.
+
+        Tensors are reduced across ranks (floats averaged or summed, integers summed and,
+        for a mean, divided with truncation as `tf.reduce_mean` does); Python numbers and
+        NumPy values are the same on every rank and pass through, as Keras passes them.
+        """
+        if self._size == 1:
+            return values
+        if reduction == "concat":
+            return tf.nest.map_structure(self._gather_rows, values)
+        if reduction == "first" or not self.global_step_logs:
+            return values
+        op = "sum" if reduction == "sum" else "average"
+        flat = tf.nest.flatten(values)
+        floats = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_floating]
+        ints = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_integer]
+        # With steps_per_execution > 1 Keras runs steps in a tf.while_loop. Nothing orders
+        # one step's output all-reduce after the previous step's (the gradient exchange is
+        # ordered by the variable updates), and Horovod refuses a collective whose name is
+        # still in flight. Reading the fence before and bumping it after chains them.
+        with tf.control_dependencies([self._outputs_fence.read_value()]):
+            reduced = self.communicator.allreduce([tf.identity(flat[i]) for i in floats], op=op)
+            summed = self.communicator.allreduce([tf.identity(flat[i]) for i in ints], op="sum")
+        with tf.control_dependencies(reduced + summed):
+            self._outputs_fence.assign_add(1)
+        for i, r in zip(floats, reduced):
+            flat[i] = r
+        for i, r in zip(ints, summed):
+            flat[i] = tf.math.truncatediv(r, tf.cast(self._size, r.dtype)) if op == "average" else r
+        return tf.nest.pack_sequence_as(values, flat)
+
+    def check_batch_size(self, batch_size):
+        if batch_size is not None and batch_size < self._size:
+            raise ValueError(
+                f"The global batch size {batch_size} is smaller than the number of workers "
+                f"({self._size}): every worker needs at least one row per batch. The batch_size "
+                f"passed to fit/evaluate/predict is the global batch; use batch_size >= {self._size}.")
+
+    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch):
+        """Check the ranks' inputs match; choose how every rank iterates the epoch.
+
+        Inputs of different shapes or dtypes are an error on every rank. Equal, known
+        lengths (or endless inputs) need nothing. Known lengths that differ: every rank
+        stops after the fewest batches, every epoch, and the ranks with more say so on
+        stderr (no rows are padded). Otherwise (a length is unknown: generators, or
+        `steps_per_epoch` over inputs of different lengths) the ranks agree before every
+        step whether all of them have a batch.
+        """
+        if self._size == 1:
+            return "as_is", None
+        spec = _describe_spec(element_spec)
+        gathered = self.communicator.allgather(
+            tf.constant([[int(count), zlib.crc32(spec.encode())]], tf.int64)).numpy().tolist()
+        counts, fingerprints = [c for c, _ in gathered], [f for _, f in gathered]
+        differ = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+        if differ:
+            raise ValueError(
+                f"The workers' inputs differ in shape or dtype: ranks {differ} do not match rank 0 "
+                f"(this is rank {self._rank}, whose inputs are {spec}). Pass inputs of the same "
+                f"shapes and dtypes on every rank.")
+        if len(set(counts)) == 1 and counts[0] != UNKNOWN:
+            return "as_is", None
+        if min(counts) >= 0 and not has_steps_per_epoch:
+            fewest = min(counts)
+            if count > fewest:
+                print(f"tfdp: rank {self._rank} has {count} global batches per epoch and rank "
+                      f"{counts.index(fewest)} has {fewest}: rank {self._rank} drops its last "
+                      f"{count - fewest} every epoch so that all ranks end at the same step.", file=sys.stderr)
+            return "fewest", fewest
+        return "each_step", None
+
+    def all_have_data(self, has_data):
+        flags = self.communicator.allgather(tf.constant([int(has_data)], tf.int32)).numpy().tolist()
+        everyone = all(flags)
+        if has_data and not everyone:
+            empty = [r for r, f in enumerate(flags) if not f]
+            print(f"tfdp: ranks {empty} ran out of input before rank {self._rank}: every rank ends the "
+                  f"epoch here, and rank {self._rank} leaves its remaining batches unread.", file=sys.stderr)
+        return everyone
+
+    def split_batch(self, structure):
+        if self._size == 1 or structure is None:
+            return structure
+        return take_rows(tf.nest.map_structure(tf.convert_to_tensor, structure), self._rank, self._size)
+
+    def extra_callbacks(self, model, callbacks):
+        return self._container_strategy().training_callbacks(model, callbacks)
+
+    # -- input --------------------------------------------------------------------
+    def _experimental_distribute_dataset(self, dataset, options):
+        return shard_global_batches(dataset, self._rank, self._size)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self._size, input_pipeline_id=self._rank, num_replicas_in_sync=self._size)
+        return dataset_fn(context)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        return value_fn(tf.distribute.experimental.ValueContext(self._rank, self._size))
+
+    @property
+    def should_checkpoint(self):
+        return self.is_chief
+
+    @property
+    def should_save_summary(self):
+        return self.is_chief
+

@@ -1,0 +1,108 @@
+"""Predict time per step of each preset from the model's shapes, the link and the compute time.
+
+Cost model (steady state, P workers, link bandwidth B bytes/s, latency a per collective):
+
+- ring all-reduce of b bytes: each worker sends 2 (P - 1) / P x b;
+- ring all-gather of b bytes per worker: each worker sends (P - 1) x b;
+- communication time M = bytes sent / B + a x collectives;
+- synchronous and compressed presets: C + M; bounded staleness s >= 1: max(C, M);
+  local SGD every H steps: C + M / H.
+
+Payload sizes come from the codecs themselves (`payload_bytes`), with the same rule as
+`CompressedStrategy` for small tensors (sent dense below `min_compress_bytes`). The
+compressors' compute cost is not modelled: on a fast link that is what dominates (see
+``benchmarks/compression.py``).
+
+Example:
+    >>> shapes = [(784, 4096), (4096,), (4096, 1024), (1024,)]
+    >>> rows = advise(shapes, workers=2, bandwidth_bytes=100e6 / 8, compute_seconds=0.05)
+    >>> rows[0].preset  # the fastest predicted preset
+"""
+
+from dataclasses import dataclass
+
+from tfdp import presets
+from tfdp.compression import resolve
+from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
+
+
+@dataclass(frozen=True)
+class Prediction:
+    preset: str
+    seconds_per_step: float
+    communication_seconds: float
+    bytes_sent: float  # per worker per step, on the wire
+    payload_bytes: float  # per worker per step, handed to collectives
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def ring_bytes(payload, workers, kind):
+    """Bytes each worker sends for one ring collective over `payload` bytes."""
+    if workers < 2:
+        return 0.0
+    if kind == "allreduce":
+        return 2.0 * (workers - 1) / workers * payload
+    if kind == "allgather":
+        return float((workers - 1) * payload)
+    raise ValueError(f"`kind` must be 'allreduce' or 'allgather'. Received: kind={kind!r}")
+
+
+def exchange(preset_options, kind, shapes):
+    """Return (payloads, collectives): [(bytes, "allreduce"|"allgather")] per exchange and its count."""
+    dense = sum(4 * _numel(s) for s in shapes)
+    if kind != "compressed":
+        return [(dense, "allreduce")], 1
+    codec = resolve(preset_options.get("compressor", "fp16"))
+    limit = preset_options.get("min_compress_bytes", DEFAULT_MIN_COMPRESS_BYTES)
+    small = sum(4 * _numel(s) for s in shapes if 4 * _numel(s) < limit)
+    large = [s for s in shapes if 4 * _numel(s) >= limit]
+    compressed = sum(codec.payload_bytes(s) for s in large)
+    travel = "allreduce" if codec.summable else "allgather"
+    rounds = 2 if codec.name == "powersgd" else 1
+    return [(compressed, travel), (small, "allreduce")], rounds + (1 if small else 0)
+
+
+def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4):
+    """Predicted `Prediction` for the preset named `preset`."""
+    spec = presets.load_preset(preset)
+    options, kind = spec["options"], spec["strategy"]
+    payloads, collectives = exchange(options, kind, shapes)
+    sent = sum(ring_bytes(b, workers, how) for b, how in payloads)
+    payload = sum(b for b, _ in payloads)
+    comm = sent / bandwidth_bytes + (latency_seconds * collectives if workers > 1 else 0.0)
+    every = options.get("sync_every") if kind == "async" else None
+    staleness = options.get("staleness", 1) if kind == "async" and every is None else 0
+    if every:
+        return Prediction(preset, compute_seconds + comm / every, comm / every, sent / every, payload / every)
+    if staleness >= 1:
+        return Prediction(preset, max(compute_seconds, comm), comm, sent, payload)
+    return Prediction(preset, compute_seconds + comm, comm, sent, payload)
+
+
+def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, names=None):
+    """Predictions for every preset (or `names`), fastest first."""
+    rows = [predict(name, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds)
+            for name in (names or presets.preset_names())]
+    return sorted(rows, key=lambda r: r.seconds_per_step)
+
+
+def shapes_from_parameter_count(count):
+    """A stand-in model of `count` parameters: square-ish float32 matrices of 1024 columns."""
+    if count < 1:
+        raise ValueError(f"The parameter count must be >= 1. Received: {count!r}")
+    rows, rest = divmod(int(count), 1024)
+    return [(rows, 1024)] + ([(rest,)] if rest else []) if rows else [(rest,)]
+
+
+def shapes_from_model_file(path):
+    """Trainable variable shapes of a saved Keras model."""
+    import keras
+
+    model = keras.models.load_model(path, compile=False)
+    return [tuple(v.shape) for v in model.trainable_variables]

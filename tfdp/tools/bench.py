@@ -1,0 +1,175 @@
+"""`tfdp bench`: run presets side by side on one workload, on loopback or emulated hosts.
+
+Every preset runs in its own job of `workers` workers (`tfdp.tools.launcher`), plus one job of a
+single worker with no communication: its time per step is the compute time C, the
+baseline for scaling efficiency and the advisor's input. For each preset the report gives
+median time per step and its spread, samples/s, speed-up over sync, scaling efficiency
+(samples/s over `workers` x the single worker's), tfdp's payload bytes per step, the bytes
+that crossed the link per step (emulated hosts) and, given a link rate, the advisor's
+prediction and the measured/predicted ratio. Writes ``bench.json``, ``bench.md`` and
+``bench.png`` to `out_dir`.
+
+Example (as root, for emulated hosts):
+    >>> rows = run_bench(["sync", "topk-1pct"], workers=2, rate_mbit=100, params=6e6, out_dir="/tmp/b")
+    >>> rows[1]["speedup_vs_sync"]
+"""
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from tfdp import presets
+from tfdp.tools import advisor
+from tfdp.tools.launcher import launch
+
+SINGLE_WORKER = "1 worker (compute only)"
+
+
+def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads, timeout, log,
+         digits_options=()):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "tfdp.tools.bench_worker", "--preset", preset, "--workload", workload,
+                   "--params", str(params), "--batch-size", str(batch_size), "--steps", str(steps),
+                   "--warmup-steps", str(warmup_steps), "--out", str(out), *digits_options]
+        env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_NUM_INTEROP_THREADS=str(threads),
+                   TF_CPP_MIN_LOG_LEVEL="2")
+        result = launch(command, workers, rate_mbit=rate_mbit if workers > 1 else None, timeout=timeout,
+                        env=env, sink=log)
+        if result.returncode != 0 or not out.exists():
+            tail = "\n".join(result.output.splitlines()[-30:])
+            raise RuntimeError(f"bench job {preset!r} on {workers} worker(s) failed "
+                               f"(exit {result.returncode}):\n{tail}")
+        return json.loads(out.read_text())
+
+
+def _spread(seconds):
+    ordered = sorted(seconds)
+    return ordered[0], ordered[-1]
+
+
+def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e6, batch_size=32, steps=8,
+              warmup_steps=3, threads=1, out_dir="bench-results", timeout=900, progress=True,
+              target_accuracy=0.95, epochs=20):
+    """Run every preset, write the report files to `out_dir`, return the rows (dicts).
+
+    The digits workload trains `epochs` epochs and also reports the seconds to reach
+    `target_accuracy` on its test split.
+    """
+    from tqdm import tqdm
+
+    for name in preset_names:
+        presets.load_preset(name)  # An unknown preset fails now, before any job starts.
+    if workers < 2:
+        raise ValueError(f"`workers` must be >= 2 to compare strategies. Received: {workers}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [(SINGLE_WORKER, "sync", 1)] + [(name, name, workers) for name in preset_names]
+    raw = {}
+    with open(out_dir / "bench.log", "w") as log, tqdm(jobs, desc="tfdp bench", unit="job",
+                                                        disable=not progress) as bar:
+        for label, preset, n in bar:
+            bar.set_postfix_str(f"{label} on {n}")
+            digits_options = (["--target-accuracy", str(target_accuracy), "--epochs", str(epochs)]
+                              if workload == "digits" else [])
+            raw[label] = _job(preset, n, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads,
+                              timeout, log, digits_options)
+    single = raw.pop(SINGLE_WORKER)
+    compute = single["median_seconds"]
+    shapes = [tuple(s) for s in single["shapes"]]
+    rows = []
+    for name in preset_names:
+        r = raw[name]
+        low, high = _spread(r["step_seconds"])
+        row = {
+            "preset": name, "workers": workers, "rate_mbit": rate_mbit, "workload": workload,
+            "parameters": r["parameters"], "batch_size_per_worker": batch_size,
+            "median_ms": 1000 * r["median_seconds"], "min_ms": 1000 * low, "max_ms": 1000 * high,
+            "samples_per_second": workers * batch_size / r["median_seconds"],
+            "scaling_efficiency": compute / r["median_seconds"],
+            "payload_bytes_per_step": r["payload_bytes_per_step"],
+            "link_bytes_per_step": r["link_bytes_per_step"],
+            "compute_ms": 1000 * compute,
+        }
+        for key in ("seconds_to_target", "epochs_to_target", "final_accuracy", "target_accuracy"):
+            if key in r:
+                row[key] = r[key]
+        if rate_mbit is not None:
+            predicted = advisor.predict(name, shapes, workers, rate_mbit * 1e6 / 8, compute)
+            row["predicted_ms"] = 1000 * predicted.seconds_per_step
+            row["measured_over_predicted"] = row["median_ms"] / row["predicted_ms"]
+        if r["link_bytes_per_step"] is not None and r["payload_bytes_per_step"]:
+            row["link_over_payload"] = r["link_bytes_per_step"] / r["payload_bytes_per_step"]
+        rows.append(row)
+    if "sync" in raw:
+        for row in rows:
+            row["speedup_vs_sync"] = 1000 * raw["sync"]["median_seconds"] / row["median_ms"]
+    summary = {"single_worker_ms": 1000 * compute, "single_worker_samples_per_second": batch_size / compute,
+               "rows": rows, "raw": raw, "single_worker": single}
+    (out_dir / "bench.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "bench.md").write_text(markdown_table(rows, compute, workers, rate_mbit))
+    chart(rows, out_dir / "bench.png", workers, rate_mbit)
+    return rows
+
+
+def _fmt(value, spec, missing="–"):
+    return missing if value is None else format(value, spec)
+
+
+def markdown_table(rows, compute_seconds, workers, rate_mbit):
+    link = f"{rate_mbit:g} Mbit/s emulated hosts" if rate_mbit else "loopback"
+    first = rows[0]
+    lines = [
+        f"{workers} workers, {link}; {first['workload']} with {first['parameters']:,} parameters, "
+        f"batch {first['batch_size_per_worker']} per worker; one worker alone: {1000 * compute_seconds:.1f} ms/step.",
+        "",
+        "| preset | ms/step (median) | min–max | samples/s | vs sync | scaling eff. | payload MB/step "
+        "| link MB/step | link/payload | advisor ms | measured/advisor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    digits = "target_accuracy" in first
+    if digits:
+        lines[2] += f" s to {first['target_accuracy']:g} accuracy | final accuracy |"
+        lines[3] += "---|---|"
+    for r in rows:
+        link_mb = None if r["link_bytes_per_step"] is None else r["link_bytes_per_step"] / 1e6
+        target = (f" {_fmt(r['seconds_to_target'], '.1f', 'not reached')} | {r['final_accuracy']:.4f} |"
+                  if digits else "")
+        lines.append(
+            f"| {r['preset']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}–{r['max_ms']:.0f} "
+            f"| {r['samples_per_second']:.0f} | {_fmt(r.get('speedup_vs_sync'), '.2f')}x "
+            f"| {r['scaling_efficiency']:.2f} | {r['payload_bytes_per_step'] / 1e6:.3f} | {_fmt(link_mb, '.3f')} "
+            f"| {_fmt(r.get('link_over_payload'), '.3f')} | {_fmt(r.get('predicted_ms'), '.1f')} "
+            f"| {_fmt(r.get('measured_over_predicted'), '.2f')} |" + target)
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows, path, workers, rate_mbit):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["preset"] for r in rows]
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 3.6))
+    xs = range(len(rows))
+    ax.bar(xs, [r["median_ms"] for r in rows], color="tab:blue", label="measured (median)")
+    ax.errorbar(xs, [r["median_ms"] for r in rows],
+                yerr=[[r["median_ms"] - r["min_ms"] for r in rows], [r["max_ms"] - r["median_ms"] for r in rows]],
+                fmt="none", ecolor="black", capsize=3, label="min–max")
+    if all("predicted_ms" in r for r in rows):
+        ax.scatter(xs, [r["predicted_ms"] for r in rows], marker="_", s=600, color="tab:red", zorder=3,
+                   label="advisor")
+    ax.axhline(rows[0]["compute_ms"], color="gray", ls="--", lw=1, label="1 worker, compute only")
+    if max(r["max_ms"] for r in rows) > 20 * min(r["min_ms"] for r in rows):
+        ax.set_yscale("log")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("ms per step")
+    link = f"{rate_mbit:g} Mbit/s emulated hosts" if rate_mbit else "loopback"
+    ax.set_title(f"{workers} workers, {link}, {rows[0]['parameters'] / 1e6:.1f} M parameters")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

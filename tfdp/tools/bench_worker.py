@@ -1,0 +1,202 @@
+"""One worker of `tfdp bench`: train one workload with one preset and time its steps.
+
+Started by `tfdp.tools.bench` through `tfdp.tools.launcher` (or alone for one worker). Rank 0 writes
+one JSON object to ``--out``: per-step wall times of the timed steps, tfdp's payload bytes
+over those steps and, on emulated hosts, the bytes that crossed this host's link
+(``/sys/class/net/$HOROVOD_GLOO_IFACE/statistics/tx_bytes``) over the same steps.
+
+    python -m tfdp.tools.bench_worker --preset sync --workload mlp --params 6e6 --out /tmp/r.json
+    python -m tfdp.tools.bench_worker --preset sync --workload digits --target-accuracy 0.95 --out /tmp/d.json
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfdp  # noqa: E402
+
+INPUT_DIM = 1024
+CLASSES = 10
+
+
+def mlp_hidden_width(params):
+    """Width h of an MLP 1024-h-h-10 with about `params` parameters."""
+    # params = 1024 h + h + h^2 + h + 10 h + 10
+    b = INPUT_DIM + 12
+    return max(8, int((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
+
+
+def build_mlp(params):
+    width = mlp_hidden_width(params)
+    return keras.Sequential([
+        keras.Input((INPUT_DIM,)),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(CLASSES),
+    ])
+
+
+def build_cnn(_params=None):
+    return keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(CLASSES),
+    ])
+
+
+WORKLOADS = {"mlp": build_mlp, "cnn": build_cnn, "digits": None}  # digits: see _train_digits
+
+
+class StepProbe(keras.callbacks.Callback):
+    """Wall time, tfdp payload bytes and link bytes at the end of every batch."""
+
+    def __init__(self, strategy):
+        super().__init__()
+        self.strategy = strategy
+        iface = os.environ.get("HOROVOD_GLOO_IFACE", "lo")
+        # Loopback carries every worker's traffic: only an emulated host's link is its own.
+        self.link_file = None if iface == "lo" else f"/sys/class/net/{iface}/statistics/tx_bytes"
+        self.marks = []
+
+    def _link_bytes(self):
+        if self.link_file is None:
+            return None
+        with open(self.link_file) as f:
+            return int(f.read())
+
+    def _mark(self):
+        stats = self.strategy.communication_stats() if hasattr(self.strategy, "communication_stats") else {}
+        self.marks.append((time.perf_counter(), stats.get("payload_bytes", 0), self._link_bytes(),
+                           stats.get("gradient_bytes", 0)))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self.marks:
+            self._mark()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._mark()
+
+
+def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe):
+    with strategy.scope():
+        model = WORKLOADS[workload](params)
+        model.compile(optimizer=keras.optimizers.SGD(1e-3), jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # `batch_size` is per worker, so every job does the same work per worker and step.
+    global_batch = batch_size * strategy.num_replicas_in_sync
+    x = np.random.default_rng(0).normal(size=(total_steps * global_batch, *model.input_shape[1:])).astype("float32")
+    y = np.random.default_rng(1).integers(0, CLASSES, size=total_steps * global_batch)
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[probe])
+    return model, {}
+
+
+class EpochClock(keras.callbacks.Callback):
+    """Seconds since the start of `fit` and validation accuracy at the end of every epoch."""
+
+    def on_train_begin(self, logs=None):
+        self.start, self.epochs = time.perf_counter(), []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append((time.perf_counter() - self.start, float(logs["val_accuracy"])))
+
+
+def _train_digits(strategy, batch_size, probe, target_accuracy, epochs):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype("float32")[..., None]
+    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.2, random_state=0,
+                                                        stratify=digits.target)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(2e-3), jit_compile=False, metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    clock = EpochClock()
+    model.fit(x_train, y_train, batch_size=batch_size * strategy.num_replicas_in_sync, epochs=epochs, verbose=0,
+              validation_data=(x_test, y_test), callbacks=[probe, clock])
+    reached = [(seconds, epoch) for epoch, (seconds, accuracy) in enumerate(clock.epochs, 1)
+               if accuracy >= target_accuracy]
+    return model, {
+        "target_accuracy": target_accuracy, "final_accuracy": clock.epochs[-1][1],
+        "seconds_to_target": reached[0][0] if reached else None,
+        "epochs_to_target": reached[0][1] if reached else None,
+    }
+
+
+def run(preset, workload, params, batch_size, steps, warmup_steps, target_accuracy=0.95, epochs=20):
+    """Train `workload` with preset `preset`; return the timing summary (a dict).
+
+    Synthetic workloads time `steps` steps after `warmup_steps`; digits trains `epochs`
+    epochs, times every step after `warmup_steps` and records when the test accuracy first
+    reaches `target_accuracy`.
+    """
+    strategy = tfdp.strategy(preset)
+    # A preset's own dense warm-up steps are not its steady state.
+    warmup_steps += tfdp.presets.load_preset(preset)["options"].get("warmup_steps", 0)
+    keras.utils.set_random_seed(0)
+    probe = StepProbe(strategy)
+    if workload == "digits":
+        model, extra = _train_digits(strategy, batch_size, probe, target_accuracy, epochs)
+    else:
+        model, extra = _train_synthetic(strategy, workload, params, batch_size, warmup_steps + steps, probe)
+    timed = probe.marks[warmup_steps:]
+    steps = len(timed) - 1
+    seconds = [b[0] - a[0] for a, b in zip(timed, timed[1:])]
+    span = timed[-1][0] - timed[0][0]
+    link = None if timed[0][2] is None else (timed[-1][2] - timed[0][2]) / steps
+    return {
+        "preset": preset, "workload": workload, "parameters": int(model.count_params()),
+        "batch_size": batch_size, "steps": steps, "warmup_steps": warmup_steps,
+        "step_seconds": seconds, "median_seconds": statistics.median(seconds),
+        "seconds_per_step": span / steps,
+        "payload_bytes_per_step": (timed[-1][1] - timed[0][1]) / steps,
+        "gradient_bytes_per_step": (timed[-1][3] - timed[0][3]) / steps,
+        "link_bytes_per_step": link,
+        "threads": int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0")),
+        "shapes": [list(v.shape) for v in model.trainable_variables],
+        **extra,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--params", type=float, default=6e6)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--target-accuracy", type=float, default=0.95)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    result = run(args.preset, args.workload, int(args.params), args.batch_size, args.steps, args.warmup_steps,
+                 args.target_accuracy, args.epochs)
+    if int(os.environ.get("HOROVOD_RANK", "0")) == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

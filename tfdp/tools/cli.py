@@ -1,0 +1,173 @@
+"""The ``tfdp`` command line: a thin argparse layer over presets and horovodrun.
+
+    tfdp presets                                   list strategy presets
+    tfdp run -np 2 [--strategy P] script.py ...    horovodrun with preset P
+    tfdp advise --params 5e6 --bandwidth-mbit 100 --compute-ms 40 [-np 2] [--check]
+                                                   predicted time per step of each preset
+                                                   (--check: measure it on emulated hosts)
+    tfdp bench --presets sync topk-1pct -np 2 [--rate-mbit 100] [--params 6e6] [--out DIR]
+                                                   measure presets side by side (JSON, markdown, PNG)
+"""
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from tfdp import presets
+
+
+def _list_presets(_args):
+    for name in presets.preset_names():
+        description = " ".join(presets.load_preset(name)["description"].split())
+        print(f"{name:<16} {description}")
+    return 0
+
+
+def _advise(args):
+    from tfdp.tools import advisor
+
+    if (args.params is None) == (args.model is None):
+        raise ValueError("Give the model as --params COUNT or as --model FILE.keras (one of them).")
+    for name in ("bandwidth_mbit", "compute_ms"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0. Received: {getattr(args, name)}")
+    if args.np < 1:
+        raise ValueError(f"-np must be >= 1. Received: -np {args.np}")
+    shapes = (advisor.shapes_from_parameter_count(int(args.params)) if args.params is not None
+              else advisor.shapes_from_model_file(args.model))
+    rows = advisor.advise(shapes, args.np, args.bandwidth_mbit * 1e6 / 8, args.compute_ms / 1000,
+                          args.latency_ms / 1000)
+    params = sum(advisor._numel(s) for s in shapes)
+    print(f"{params:,} parameters, {args.np} workers, {args.bandwidth_mbit:g} Mbit/s, "
+          f"compute {args.compute_ms:g} ms/step, latency {args.latency_ms:g} ms per collective")
+    print(f"{'preset':<16} {'ms/step':>9} {'comm ms':>9} {'MB sent':>9}")
+    for row in rows:
+        print(f"{row.preset:<16} {1000 * row.seconds_per_step:>9.1f} {1000 * row.communication_seconds:>9.1f} "
+              f"{row.bytes_sent / 1e6:>9.3f}")
+    print(f"recommended: {rows[0].preset}")
+    if args.check:
+        _check_advice(args, rows[0].preset)
+    return 0
+
+
+def _check_advice(args, recommended):
+    """Measure the recommended preset and sync on emulated hosts at the given bandwidth."""
+    from tfdp.tools import bench
+    from tfdp.tools.network import check_available
+
+    if args.params is None:
+        raise ValueError("--check measures the mlp workload: give the model as --params COUNT.")
+    check_available()
+    names = list(dict.fromkeys([recommended, "sync"]))
+    print(f"checking on {args.np} emulated hosts at {args.bandwidth_mbit:g} Mbit/s ({args.check_steps} steps each)...")
+    rows = bench.run_bench(names, workers=args.np, rate_mbit=args.bandwidth_mbit, params=args.params,
+                           steps=args.check_steps, out_dir=args.check_out)
+    print(f"measured compute {rows[0]['compute_ms']:.1f} ms/step (one worker alone)")
+    print(f"{'preset':<16} {'predicted ms':>13} {'measured ms':>12} {'measured/predicted':>19}")
+    for row in rows:
+        print(f"{row['preset']:<16} {row['predicted_ms']:>13.1f} {row['median_ms']:>12.1f} "
+              f"{row['measured_over_predicted']:>19.2f}")
+    print(f"(predictions use the measured compute time; report in {args.check_out}/)")
+
+
+def _bench(args):
+    from tfdp.tools import bench
+    from tfdp.tools.network import check_available
+
+    if args.rate_mbit is not None:
+        if args.rate_mbit <= 0:
+            raise ValueError(f"--rate-mbit must be > 0. Received: {args.rate_mbit}")
+        check_available()
+    if not 0 < args.target_accuracy <= 1:
+        raise ValueError(f"--target-accuracy must be in (0, 1]. Received: {args.target_accuracy}")
+    for name in ("steps", "batch_size", "threads", "epochs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
+    bench.run_bench(args.presets, workers=args.np, rate_mbit=args.rate_mbit, workload=args.workload,
+                    params=args.params, batch_size=args.batch_size, steps=args.steps,
+                    warmup_steps=args.warmup_steps, threads=args.threads, out_dir=args.out, timeout=args.timeout,
+                    target_accuracy=args.target_accuracy, epochs=args.epochs)
+    print((Path(args.out) / "bench.md").read_text())
+    print(f"wrote {args.out}/bench.json, bench.md, bench.png (worker output: bench.log)")
+    return 0
+
+
+def _run(args, passthrough):
+    if args.strategy:
+        presets.load_preset(args.strategy)  # Fail here, once, not on every worker.
+        os.environ[presets.ENV_VAR] = args.strategy
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # The horovodrun installed beside this Python, the one tfdp and its Horovod live in.
+    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    horovodrun = beside if os.path.exists(beside) else shutil.which("horovodrun")
+    if horovodrun is None:
+        raise ValueError("horovodrun not found. Install Horovod with `bash tools/setup_env.sh`.")
+    command = [horovodrun, "-np", str(args.np), "-H", args.hosts or f"localhost:{args.np}"]
+    if not {"--gloo", "--mpi"} & set(passthrough):
+        command.append("--gloo")
+    scripts = [i for i, arg in enumerate(passthrough) if arg.endswith(".py")]
+    if scripts:  # Run the script with this Python, the one tfdp is installed in.
+        passthrough = [*passthrough[: scripts[0]], sys.executable, *passthrough[scripts[0]:]]
+    os.execv(command[0], command + passthrough)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="tfdp", description="Data-parallel Keras 3 training on Horovod.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("presets", help="list strategy presets").set_defaults(handler=_list_presets)
+    run = commands.add_parser(
+        "run", help="launch a script on N workers with horovodrun (other flags pass through)"
+    )
+    run.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
+    run.add_argument("-H", "--hosts", help="horovodrun host list (default localhost:NP)")
+    run.add_argument("--strategy", help="preset name, sets $TFDP_STRATEGY for the workers")
+    advise = commands.add_parser("advise", help="predict time per step of each preset (ring cost model)")
+    advise.add_argument("--params", type=float, help="parameter count of the model")
+    advise.add_argument("--model", help="a saved Keras model file (its trainable shapes are used)")
+    advise.add_argument("--bandwidth-mbit", type=float, required=True, help="link bandwidth, Mbit/s")
+    advise.add_argument("--compute-ms", type=float, required=True, help="measured compute time per step")
+    advise.add_argument("--latency-ms", type=float, default=0.1, help="latency per collective")
+    advise.add_argument("-np", type=int, default=2, help="number of workers")
+    advise.add_argument("--check", action="store_true",
+                        help="measure the recommended preset and sync on emulated hosts (root; --params only)")
+    advise.add_argument("--check-steps", type=int, default=6, help="timed steps per preset for --check")
+    advise.add_argument("--check-out", default="advise-check", help="where --check writes its bench report")
+    advise.set_defaults(handler=_advise)
+    bench = commands.add_parser("bench", help="measure presets side by side on loopback or emulated hosts")
+    bench.add_argument("--presets", nargs="+", default=["sync", "topk-1pct", "powersgd-r4", "async-s1"])
+    bench.add_argument("-np", type=int, default=2, help="number of workers (>= 2)")
+    bench.add_argument("--rate-mbit", type=float, help="emulated hosts with this link rate (root); "
+                       "default: loopback")
+    bench.add_argument("--workload", choices=["mlp", "cnn", "digits"], default="mlp",
+                       help="digits: real data, also reports the time to --target-accuracy")
+    bench.add_argument("--params", type=float, default=6e6, help="parameter count of the mlp workload")
+    bench.add_argument("--batch-size", type=int, default=32, help="per worker")
+    bench.add_argument("--steps", type=int, default=8, help="timed steps per preset")
+    bench.add_argument("--warmup-steps", type=int, default=3, help="untimed steps (plus the preset's own)")
+    bench.add_argument("--threads", type=int, default=1, help="TensorFlow threads per worker")
+    bench.add_argument("--timeout", type=float, default=900, help="seconds per job before it is ended")
+    bench.add_argument("--target-accuracy", type=float, default=0.95, help="digits only")
+    bench.add_argument("--epochs", type=int, default=20, help="digits only")
+    bench.add_argument("--out", default="bench-results")
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args, passthrough = parser.parse_known_args(argv)
+    try:
+        if args.command == "run":
+            if args.np < 1:
+                parser.error(f"-np must be >= 1. Received: -np {args.np}")
+            return _run(args, passthrough)
+        return args.handler(args)
+    except (ValueError, RuntimeError) as err:
+        print(f"tfdp: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
