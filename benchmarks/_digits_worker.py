@@ -1,12 +1,14 @@
-"""Train the digits model once per (strategy configuration, seed) inside one set of workers.
+"""Train the digits model once per (preset variant, seed) inside one set of workers.
 
+Configurations are shipped presets, optionally with explicit overrides
+(``topk-1pct:compressor.ratio=0.001,error_feedback=false``; see `tfdp.presets`).
 Run under horovodrun (or alone). For every run, rank r appends to ``<out>/rank<r>.json``
 the test accuracy, median seconds per step (wall time of each epoch / its steps),
 gradient bytes per step and dense bytes per step. Used by
 ``benchmarks/compression.py``, ``benchmarks/asynchronous.py`` and the convergence tests.
 
     horovodrun -np 2 -H localhost:2 --gloo python benchmarks/_digits_worker.py \
-        --out /tmp/c --optimizer adam --seeds 0 1 2 --configs sync fp16 topk-1pct
+        --out /tmp/c --optimizer adam --seeds 0 1 2 --configs sync fp16 topk-1pct async-s1:staleness=8
 """
 
 import argparse
@@ -18,46 +20,13 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
-from digits import build_model, load_data  # noqa: E402
+from tfdp.tools.workloads import build_digits_model, load_digits_split  # noqa: E402
 
 
-def compressed(**options):
-    return lambda: tfdp.CompressedStrategy(**options)
-
-
-def asynchronous(**options):
-    return lambda: tfdp.AsyncStrategy(**options)
-
-
-# name -> strategy factory; "sync" (tfdp.MirroredStrategy) is the baseline.
-CONFIGS = {
-    "sync": tfdp.MirroredStrategy,
-    "fp16": compressed(compressor="fp16"),
-    "bf16": compressed(compressor="bf16"),
-    "topk-1pct": compressed(compressor={"name": "topk", "ratio": 0.01}),
-    "qsgd": compressed(compressor={"name": "qsgd", "levels": 64}, error_feedback=False),
-    "efsign": compressed(compressor="efsign"),
-    "powersgd-r2": compressed(compressor={"name": "powersgd", "rank": 2}, warmup_steps=20),
-    "powersgd-r4": compressed(compressor={"name": "powersgd", "rank": 4}, warmup_steps=20),
-    "randomk-10pct": compressed(compressor={"name": "randomk", "ratio": 0.1}, error_feedback=False),
-    # Negative control: far too sparse and nothing remembered; must fall outside the band.
-    "topk-0.1pct-no-ef": compressed(compressor={"name": "topk", "ratio": 0.001}, error_feedback=False),
-    "async-s0": asynchronous(staleness=0),
-    "async-s1": asynchronous(staleness=1),
-    "async-s2": asynchronous(staleness=2),
-    "async-s2-lr": asynchronous(staleness=2, damping="lr"),
-    "async-s1-lr": asynchronous(staleness=1, damping="lr"),
-    # Negative control for the async band: staleness far beyond the usual 1-2 steps.
-    "async-s8": asynchronous(staleness=8),
-    "local-h4": asynchronous(sync_every=4),
-    "local-h16": asynchronous(sync_every=16),
-    "local-h16-warmup": asynchronous(sync_every=16, warmup_steps=40),
-}
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(2e-3),
     "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
@@ -77,10 +46,10 @@ class EpochTimer(keras.callbacks.Callback):
 
 def train_once(config, optimizer, seed, epochs, batch_size):
     keras.utils.set_random_seed(seed)
-    x_train, y_train, x_test, y_test = load_data(seed)
-    strategy = CONFIGS[config]()
+    x_train, y_train, x_test, y_test = load_digits_split(seed)
+    strategy = tfdp.strategy(config)
     with strategy.scope():
-        model = build_model(None, optimizer=OPTIMIZERS[optimizer]())
+        model = build_digits_model(OPTIMIZERS[optimizer]())
     timer = EpochTimer()
     logger = tfdp.callbacks.CommunicationLogger()
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, verbose=0,
@@ -104,11 +73,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
-    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), required=True)
+    parser.add_argument("--configs", nargs="+", required=True, help="presets or variants (NAME:key=value,...)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
+    for config in args.configs:
+        tfdp.presets.resolve_variant(config)  # an unknown preset fails before any training
 
     path = Path(args.out) / f"rank{os.environ.get('HOROVOD_RANK', '0')}.json"
     results = []

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tfdp.tools.launcher import launch
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_sync_worker.py"
 LABELS = {
@@ -57,11 +59,9 @@ def launch(variant, out, worker_args, timeout=1800):
             if p.returncode:
                 raise RuntimeError(f"{variant} failed:\n{err[-3000:]}")
         return
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    run = subprocess.run([str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", *args], env=ENV,
-                         capture_output=True, text=True, timeout=timeout)
+    run = launch(args, 2, use_horovodrun=True, timeout=timeout, env=ENV, sink=None)
     if run.returncode:
-        raise RuntimeError(f"{variant} failed:\n{run.stdout[-3000:]}")
+        raise RuntimeError(f"{variant} failed:\n{run.output[-3000:]}")
 
 
 def job_rates(out, variant):

@@ -2,10 +2,13 @@
 
     python examples/digits.py                                          # one process
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py   # two workers
-    TFDP_STRATEGY=sync horovodrun -np 2 ... python examples/digits.py  # pick a preset
+    TFDP_STRATEGY=topk-1pct horovodrun -np 2 ... python examples/digits.py   # another preset
+    tfdp run -np 2 --strategy topk-1pct examples/digits.py             # the same, through tfdp
 
-The only distributed-specific line is the strategy. ``batch_size`` is the global
-batch, so the script trains the same way on any number of workers.
+The only distributed-specific line is the strategy. ``batch_size`` is the global batch,
+so the script trains the same way on any number of workers. The data and the conv net are
+`tfdp.tools.workloads.load_digits_split` and `build_digits_model`, which `tfdp bench` and
+the tests train too.
 """
 
 import argparse
@@ -14,42 +17,9 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import tfdp  # noqa: E402
-
-
-def load_data(seed):
-    """Return (x_train, y_train, x_test, y_test), pixels scaled to [0, 1]."""
-    digits = load_digits()
-    x = (digits.images / 16.0).astype("float32")[..., None]
-    y = digits.target.astype("int32")
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=0.2, random_state=seed, stratify=y
-    )
-    return x_train, y_train, x_test, y_test
-
-
-def build_model(learning_rate, optimizer=None):
-    """The conv net, compiled with `optimizer` (default: Adam at `learning_rate`)."""
-    model = keras.Sequential(
-        [
-            keras.Input((8, 8, 1)),
-            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile(
-        optimizer=optimizer or keras.optimizers.Adam(learning_rate),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+from tfdp.tools.workloads import build_digits_model, load_digits_split  # noqa: E402
 
 
 def main():
@@ -62,11 +32,11 @@ def main():
     args = parser.parse_args()
 
     keras.utils.set_random_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_data(args.seed)
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
 
     strategy = tfdp.strategy()  # the distributed line: $TFDP_STRATEGY, default "sync"
     with strategy.scope():
-        model = build_model(args.learning_rate)
+        model = build_digits_model(keras.optimizers.Adam(args.learning_rate))
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=args.verbose)
     _, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
     print(f"test accuracy: {accuracy:.4f}")

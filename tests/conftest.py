@@ -2,17 +2,16 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tfdp.tools.launcher import launch, run_process
+
 WORKERS = Path(__file__).parent / "workers"
-BIN = Path(sys.executable).parent
 QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TFDP_VERBOSE_WORKERS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -26,40 +25,39 @@ class Run:
         return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(nranks)]
 
 
-def _run(cmd, timeout, env=None):
-    full_env = {**os.environ, **QUIET_ENV, **(env or {})}
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=full_env, start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s (hang): {' '.join(map(str, cmd))}\n{output[-4000:]}")
-    return Run(proc.returncode, output, time.monotonic() - start)
+def _finish(result, command, timeout):
+    if result.timed_out:
+        pytest.fail(f"timed out after {timeout}s (hang): {' '.join(map(str, command))}\n{result.output[-4000:]}")
+    return Run(result.returncode, result.output, result.seconds)
+
+
+def _env(env):
+    return {**os.environ, **QUIET_ENV, **(env or {})}
+
+
+def _script(script):
+    return str(WORKERS / script)
 
 
 def run_workers(script, np_=2, args=(), timeout=240, env=None):
-    """Run `tests/workers/<script>` on `np_` workers under horovodrun (Gloo, localhost)."""
-    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-           sys.executable, str(WORKERS / script), *map(str, args)]
-    return _run(cmd, timeout, env)
+    """Run `tests/workers/<script>` (or a path) on `np_` workers under horovodrun (Gloo, localhost)."""
+    command = [sys.executable, _script(script), *map(str, args)]
+    return _finish(launch(command, np_, use_horovodrun=True, timeout=timeout, env=_env(env), sink=None),
+                   command, timeout)
 
 
 def run_elastic(script, np_, min_np, max_np, discovery, args=(), timeout=300, env=None):
     """Run `tests/workers/<script>` under horovodrun's elastic mode with discovery script `discovery`."""
-    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
-           "--host-discovery-script", str(WORKERS / discovery), "--gloo",
-           sys.executable, str(WORKERS / script), *map(str, args)]
-    return _run(cmd, timeout, env)
+    command = [sys.executable, _script(script), *map(str, args)]
+    elastic = ["--min-np", str(min_np), "--max-np", str(max_np), "--host-discovery-script", _script(discovery)]
+    return _finish(launch(command, np_, use_horovodrun=True, hosts=False, horovodrun_args=elastic,
+                          timeout=timeout, env=_env(env), sink=None), command, timeout)
 
 
 def run_plain(script, args=(), timeout=240, env=None):
-    """Run `tests/workers/<script>` as one plain process (no horovodrun)."""
-    return _run([sys.executable, str(WORKERS / script), *map(str, args)], timeout, env)
+    """Run `tests/workers/<script>` (or a path) as one plain process (no horovodrun)."""
+    command = [sys.executable, _script(script), *map(str, args)]
+    return _finish(run_process(command, timeout, _env(env)), command, timeout)
 
 
 def run_script(script, nworkers, args=(), timeout=240, env=None):

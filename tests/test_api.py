@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_public_api_is_pinned():
     assert sorted(tfdp.__all__) == [
         "AsyncStrategy", "CompressedStrategy", "DistributedOptimizer", "MirroredStrategy", "callbacks", "compression",
-        "elastic", "init", "is_chief", "local_rank", "preset_names", "rank", "restore_stdout", "set_worker_stdout",
+        "init", "is_chief", "local_rank", "preset_names", "rank", "restore_stdout", "set_worker_stdout",
         "size", "strategy", "worker_stdout",
     ]
     for name in tfdp.__all__:

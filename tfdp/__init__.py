@@ -30,7 +30,6 @@ __all__ = [
     "MirroredStrategy",
     "callbacks",
     "compression",
-    "elastic",
     "init",
     "is_chief",
     "local_rank",
@@ -43,11 +42,3 @@ __all__ = [
     "worker_stdout",
 ]
 
-
-def __getattr__(name):
-    # `tfdp.elastic` loads Horovod's elastic machinery, so only when asked for.
-    if name == "elastic":
-        from tfdp.keras import elastic
-
-        return elastic
-    raise AttributeError(f"module 'tfdp' has no attribute {name!r}")

@@ -8,8 +8,15 @@ A preset has exactly these keys::
 
 Files are read with `yaml.safe_load` (never pickle or eval); unknown keys and wrong
 types are errors that name the file and the fix.
+
+A *variant* is a preset plus explicit overrides of its options, written
+``NAME:key=value,key=value`` (values in YAML: numbers, true/false, null, names; a dotted
+key reaches into a nested option), e.g. ``topk-1pct:compressor.ratio=0.001,error_feedback=false``
+or ``async-s1:staleness=8``. Benchmarks and convergence tests name what they run this way,
+and ``TFDP_STRATEGY`` and ``tfdp run --strategy`` accept it too.
 """
 
+import copy
 import importlib.resources
 import os
 
@@ -84,18 +91,62 @@ def load_preset(name):
     return parse_preset(files[name].read_text(), source=f"{name!r} ({files[name].name})")
 
 
+def parse_variant(text):
+    """Split ``NAME:key=value,...`` into the preset name and a dict of (dotted) overrides.
+
+    Example:
+        >>> parse_variant("topk-1pct:compressor.ratio=0.001,error_feedback=false")
+        ('topk-1pct', {'compressor.ratio': 0.001, 'error_feedback': False})
+    """
+    name, _, rest = text.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"Variant {text!r}: overrides are written key=value, comma-separated. "
+                             f"Received: {item!r}")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return name.strip(), overrides
+
+
+def _override(options, dotted, value):
+    *path, last = dotted.split(".")
+    node = options
+    for key in path:
+        if isinstance(node.get(key), str):
+            node[key] = {"name": node[key]}  # `compressor: fp16` seen as `{name: fp16}`
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"Override {dotted!r}: {key!r} is not a mapping of options.")
+    node[last] = value
+
+
+def resolve_variant(text):
+    """Return ``(strategy class, options)`` of a preset or variant, validated.
+
+    Raises:
+        ValueError: unknown preset, malformed overrides.
+    """
+    name, overrides = parse_variant(text)
+    preset = load_preset(name)
+    options = copy.deepcopy(preset["options"])
+    for dotted, value in overrides.items():
+        _override(options, dotted, value)
+    return _strategy_classes()[preset["strategy"]], options
+
+
 def strategy(name=None):
-    """Build the strategy of preset `name`, of ``$TFDP_STRATEGY``, or of ``"sync"``.
+    """Build the strategy of preset (or variant) `name`, of ``$TFDP_STRATEGY``, or of ``"sync"``.
 
     Example:
         >>> strategy = tfdp.strategy()          # TFDP_STRATEGY=sync by default
+        >>> strategy = tfdp.strategy("topk-1pct:compressor.ratio=0.02")
         >>> with strategy.scope():
         ...     model = build_model()
     """
     name = name or os.environ.get(ENV_VAR) or DEFAULT_PRESET
-    preset = load_preset(name)
-    cls = _strategy_classes()[preset["strategy"]]
+    cls, options = resolve_variant(name)
     try:
-        return cls(**preset["options"])
+        return cls(**options)
     except TypeError as err:
         raise ValueError(f"Preset {name!r} has options that {cls.__name__} does not take: {err}") from err

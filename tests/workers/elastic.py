@@ -14,13 +14,12 @@ from pathlib import Path
 
 from _common import write_result
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
 import tfdp.elastic  # noqa: E402
-from digits import build_model, load_data  # noqa: E402
+from tfdp.tools.workloads import build_digits_model, load_digits_split  # noqa: E402
 
 EPOCHS = 12
 
@@ -61,8 +60,8 @@ def main():
     parser.add_argument("--grow-host", default="127.0.0.1")
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
-    x_train, y_train, x_test, y_test = load_data(0)
-    state = tfdp.elastic.KerasState(lambda: build_model(2e-3))
+    x_train, y_train, x_test, y_test = load_digits_split(0)
+    state = tfdp.elastic.KerasState(build_digits_model)
 
     @tfdp.elastic.run
     def train(state):

@@ -1,8 +1,12 @@
-"""Train digits with keras.callbacks.BackupAndRestore; optionally SIGKILL rank 1 mid-training.
+"""Train digits under a preset with keras.callbacks.BackupAndRestore; optionally SIGKILL rank 1.
 
-    --die-at-epoch K   rank 1 kills itself during epoch K (after rank 0 saved epoch K - 1)
-    --forget-epoch     before fit, delete the saved epoch number (negative control: the
-                       weights are restored but training restarts at epoch 0)
+    --preset NAME          the shipped preset (sync, topk-1pct, powersgd-r4, async-s1, ...)
+    --die-at-epoch K       rank 1 kills itself during epoch K (after rank 0 saved epoch K - 1)
+    --forget-epoch         before fit, delete the saved epoch number (negative control: the
+                           weights are restored but training restarts at epoch 0)
+    --drop-reducer-state   negative control: the reducer state is lost. Checkpoints are written
+                           without settling it (stale gradients in flight stay in flight) and,
+                           after the restore, what was loaded is reset to its initial value.
 
 Rank 0 writes rank0.json to --out: the final weights and the epochs this run trained.
 """
@@ -10,17 +14,13 @@ Rank 0 writes rank0.json to --out: the final weights and the epochs this run tra
 import argparse
 import os
 import signal
-import sys
-from pathlib import Path
 
 from _common import rank, weights_as_lists, write_result
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
-from digits import build_model, load_data  # noqa: E402
+from tfdp.tools.workloads import build_digits_model, load_digits_split  # noqa: E402
 
 EPOCHS = 6
 
@@ -40,21 +40,37 @@ class DieInEpoch(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ResetReducerState(keras.callbacks.Callback):
+    """After BackupAndRestore has loaded the checkpoint, forget the reducer state it held."""
+
+    def __init__(self, strategy):
+        super().__init__()
+        self.strategy = strategy
+
+    def on_train_begin(self, logs=None):
+        self.strategy.gradient_reducer.state.reset()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--backup", required=True)
+    parser.add_argument("--preset", default="sync")
     parser.add_argument("--die-at-epoch", type=int)
     parser.add_argument("--forget-epoch", action="store_true")
+    parser.add_argument("--drop-reducer-state", action="store_true")
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
-    x_train, y_train, _, _ = load_data(0)
-    strategy = tfdp.MirroredStrategy()
+    x_train, y_train, _, _ = load_digits_split(0)
+    strategy = tfdp.strategy(args.preset)
     with strategy.scope():
-        model = build_model(None, optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+        model = build_digits_model(keras.optimizers.SGD(0.05, momentum=0.9))
     if args.forget_epoch and rank() == 0:
-        (Path(args.backup) / "training_metadata.json").unlink()
+        os.unlink(os.path.join(args.backup, "training_metadata.json"))
     callbacks = [keras.callbacks.BackupAndRestore(args.backup, delete_checkpoint=False)]
+    if args.drop_reducer_state:
+        strategy.settle = lambda optimizer: None
+        callbacks.append(ResetReducerState(strategy))
     if args.die_at_epoch is not None:
         callbacks.append(DieInEpoch(args.die_at_epoch))
     # shuffle=False: the batch order of an epoch must not depend on how many epochs this process ran.
@@ -63,7 +79,8 @@ def main():
     if rank() == 0:
         write_result(args.out, {"weights": weights_as_lists(model), "epochs_trained": len(history.epoch),
                                 "first_epoch": history.epoch[0] if history.epoch else None,
-                                "iterations": int(model.optimizer.iterations.numpy())})
+                                "iterations": int(model.optimizer.iterations.numpy()),
+                                "state": strategy.gradient_reducer.state.keys()})
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def attach_reducer_state(optimizer, reducer):
     path. Plain Keras loading never asks for this attribute, so such files still load
     without tfdp.
     """
-    object.__setattr__(optimizer, REDUCER_STATE_ATTRIBUTE, reducer.saveable())
+    object.__setattr__(optimizer, REDUCER_STATE_ATTRIBUTE, reducer.saveable(optimizer))
 
 
 @contextlib.contextmanager

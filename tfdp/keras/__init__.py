@@ -1,6 +1,7 @@
 """Keras extras: `DistributedOptimizer` for custom loops, Horovod-style callbacks, elastic training.
 
-`tfdp.keras.elastic` imports Horovod's elastic machinery; import it when you use it.
+`tfdp.keras.elastic` (public path: ``import tfdp.elastic``) imports Horovod's elastic
+machinery, so it is imported only when used.
 """
 
 from tfdp.keras import callbacks

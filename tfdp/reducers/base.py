@@ -49,6 +49,8 @@ class GradientReducer(abc.ABC):
     supports_accumulation = True
     #: How error messages name this exchange.
     description = "gradient exchange"
+    #: Workers' optimizer states differ (they step on their own gradients): checkpoints keep every rank's.
+    optimizer_state_per_rank = False
 
     def __init__(self, communicator, op="sum"):
         if op not in _OPS:
@@ -56,13 +58,10 @@ class GradientReducer(abc.ABC):
         self.communicator = communicator
         self.op = op
         self.state = ReducerState(communicator)
-        self._saveable = None
 
-    def saveable(self):
-        """The Keras object that carries `state` into the optimizer's checkpoints."""
-        if self._saveable is None:
-            self._saveable = ReducerStateSaveable(self.state)
-        return self._saveable
+    def saveable(self, optimizer):
+        """The Keras object that carries `state` into `optimizer`'s checkpoints."""
+        return ReducerStateSaveable(self.state, optimizer if self.optimizer_state_per_rank else None)
 
     def reduce(self, grads, variables):
         """Return the gradients to apply: one per variable, None where `grads` has None."""

@@ -33,6 +33,7 @@ class LocalSGD(GradientReducer):
     rounds_per_step = 0  # Rounds are counted where they happen: sync steps and averages.
     supports_accumulation = False
     description = "local SGD (AsyncStrategy)"
+    optimizer_state_per_rank = True
 
     def __init__(self, communicator, sync_every, warmup_steps=0, outer_learning_rate=1.0,
                  outer_momentum=0.0):

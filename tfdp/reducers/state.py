@@ -7,9 +7,9 @@ the optimizer (`model.save`, `ModelCheckpoint`, `BackupAndRestore`): tfdp attach
 `ReducerStateSaveable` to the optimizer, and Keras saves it with the optimizer's own
 variables. A file saved this way still loads in plain Keras, which does not look for it.
 
-Entries are saved in creation order (the same on every rank and in every run of the same
-program; names differ when, say, rank 0 built an extra model first), each with its
-label. Some entries differ per rank (``per_rank=True``: error-feedback residuals). Only
+Entries are saved with their names and in creation order; loading matches them by name,
+and by position where names differ (Keras names differ across ranks when, say, rank 0
+built an extra model first). Some entries differ per rank (``per_rank=True``: error-feedback residuals). Only
 rank 0 writes checkpoints, so before one is written every rank hands its rows to all
 (`snapshot`), and the checkpoint holds one row per rank. Loading takes this rank's row
 when the number of workers is the same; otherwise every rank takes the mean of the saved
@@ -22,6 +22,7 @@ Example:
 
 import json
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import keras
@@ -47,19 +48,47 @@ class ReducerState:
     def __init__(self, communicator):
         self.communicator = communicator
         self._entries = {}
-        self._pending = []  # loaded values waiting for their entry (by creation index)
+        self._pending = []  # loaded (label, value) waiting for their entry, in saved order
         self._snapshot = None  # {key: [workers, ...] array} from the last `snapshot`
 
     def variable(self, key, initial_value, per_rank=False):
-        """Return the variable named `key`, creating it from `initial_value` (a callable) once."""
+        """Return the variable named `key`, creating it from `initial_value` (a callable) once.
+
+        A value loaded from a checkpoint before the entry existed becomes its initial value
+        (entries are often created while a step is traced; an assign there would run every step).
+        """
         if key in self._entries:
             return self._entries[key].variable
-        index = len(self._entries)
-        variable = local_variable(initial_value, f"tfdp_{key.replace('/', '_')}")
+        pending = self._loaded_value(key, len(self._entries))
+
+        def start_value():
+            value = tf.convert_to_tensor(initial_value())
+            return value if pending is None else self._checked(key, value, pending)
+
+        variable = local_variable(start_value, f"tfdp_{key.replace('/', '_')}")
         self._entries[key] = _Entry(key, variable, initial_value, per_rank)
-        if index < len(self._pending):
-            self._assign(self._entries[key], self._pending[index])
         return variable
+
+    def _loaded_value(self, key, index):
+        """The loaded (label, value) for entry `key`: by name, else by creation position."""
+        for pending in self._pending:
+            if pending[0] == key:
+                return pending
+        if index < len(self._pending) and self._pending[index][0] not in self._entries:
+            return self._pending[index]
+        return None
+
+    def capture(self, optimizer):
+        """Copy `optimizer`'s variables into per-rank entries (for reducers where they differ by rank)."""
+        for index, variable in enumerate(optimizer.variables):
+            self.variable(f"optimizer/{index}", lambda v=variable: tf.identity(v), per_rank=True).assign(variable)
+
+    def restore(self, optimizer):
+        """Give `optimizer`'s variables this rank's values loaded by `load` (after Keras loaded rank 0's)."""
+        for index, variable in enumerate(optimizer.variables):
+            key = f"optimizer/{index}"
+            if key in self._entries or self._loaded_value(key, len(self._entries)) is not None:
+                variable.assign(self.variable(key, lambda v=variable: tf.identity(v), per_rank=True))
 
     def __contains__(self, key):
         return key in self._entries
@@ -114,8 +143,9 @@ class ReducerState:
         meta = json.loads(bytes(np.asarray(store[_META])).decode())
         self._pending = [self._value_for_this_rank(np.asarray(store[str(i)]), m) for i, m in enumerate(meta)]
         for index, entry in enumerate(self._entries.values()):
-            if index < len(self._pending):
-                self._assign(entry, self._pending[index])
+            pending = self._loaded_value(entry.key, index)
+            if pending is not None:
+                self._assign(entry, pending)
         self._snapshot = None
 
     def _value_for_this_rank(self, value, meta):
@@ -125,29 +155,43 @@ class ReducerState:
             return meta["key"], value[self.communicator.rank]
         return meta["key"], value.sum(axis=0) / self.communicator.size
 
-    def _assign(self, entry, pending):
+    @staticmethod
+    def _checked(key, current, pending):
+        """The loaded value if it fits `current`'s shape, else `current` (with a warning)."""
         label, value = pending
-        if tuple(value.shape) != tuple(entry.variable.shape):
+        if tuple(value.shape) != tuple(current.shape):
             warnings.warn(f"tfdp: reducer state {label!r} in the checkpoint has shape {list(value.shape)}, "
-                          f"but {entry.key!r} here has {entry.variable.shape.as_list()}; it starts from its "
+                          f"but {key!r} here has {current.shape.as_list()}; it starts from its "
                           "initial value instead.", stacklevel=3)
-            return
-        entry.variable.assign(value)
+            return current
+        return tf.constant(value, dtype=current.dtype)
+
+    def _assign(self, entry, pending):
+        entry.variable.assign(self._checked(entry.key, tf.convert_to_tensor(entry.variable), pending))
 
 
 class ReducerStateSaveable(keras.layers.Layer):
     """Carries a `ReducerState` into Keras checkpoints; tfdp attaches it to the optimizer.
 
     A `Layer` only because Keras saves `KerasSaveable` children of an optimizer by type;
-    it has no weights of its own and is never called.
+    it has no weights of its own and is never called. With `optimizer` (reducers whose
+    workers' optimizer states differ, such as local SGD), the optimizer's variables of every
+    rank travel in the reducer state, and each rank gets its own back after Keras has loaded
+    rank 0's (Keras loads an optimizer's own variables before its children).
     """
 
-    def __init__(self, state):
+    def __init__(self, state, optimizer=None):
         super().__init__(name="tfdp_reducer_state", trainable=False)
         object.__setattr__(self, "_reducer_state", state)  # Not tracked by Keras.
+        # A weak reference: Keras's saving walks attributes, and would walk from here back
+        # into the optimizer (and from it to here) forever.
+        object.__setattr__(self, "_per_rank_optimizer", None if optimizer is None else weakref.ref(optimizer))
 
     def save_own_variables(self, store):
         self._reducer_state.save(store)
 
     def load_own_variables(self, store):
         self._reducer_state.load(store)
+        optimizer = None if self._per_rank_optimizer is None else self._per_rank_optimizer()
+        if optimizer is not None and optimizer.built:
+            self._reducer_state.restore(optimizer)

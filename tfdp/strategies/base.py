@@ -90,8 +90,11 @@ class HorovodStrategy(tf.distribute.Strategy):
             with gradients_reduced():
                 self.run(optimizer.apply, args=(grads, variables))
 
-        self.gradient_reducer.settle(apply_gradients)
-        self.gradient_reducer.state.snapshot()
+        reducer = self.gradient_reducer
+        reducer.settle(apply_gradients)
+        if reducer.optimizer_state_per_rank and optimizer.built:
+            reducer.state.capture(optimizer)
+        reducer.state.snapshot()
 
     def skipped_steps(self):
         """Steps skipped on every rank because a reduced gradient was not finite (``skip_nonfinite``)."""

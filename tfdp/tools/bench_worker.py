@@ -19,45 +19,11 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 import tfdp  # noqa: E402
+from tfdp.tools import workloads  # noqa: E402
 
-INPUT_DIM = 1024
-CLASSES = 10
-
-
-def mlp_hidden_width(params):
-    """Width h of an MLP 1024-h-h-10 with about `params` parameters."""
-    # params = 1024 h + h + h^2 + h + 10 h + 10
-    b = INPUT_DIM + 12
-    return max(8, int((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
-
-
-def build_mlp(params):
-    width = mlp_hidden_width(params)
-    return keras.Sequential([
-        keras.Input((INPUT_DIM,)),
-        keras.layers.Dense(width, activation="relu"),
-        keras.layers.Dense(width, activation="relu"),
-        keras.layers.Dense(CLASSES),
-    ])
-
-
-def build_cnn(_params=None):
-    return keras.Sequential([
-        keras.Input((32, 32, 3)),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(CLASSES),
-    ])
-
-
-WORKLOADS = {"mlp": build_mlp, "cnn": build_cnn, "digits": None}  # digits: see _train_digits
+WORKLOADS = ("mlp", "cnn", "digits")
 
 
 class StepProbe(keras.callbacks.Callback):
@@ -92,13 +58,12 @@ class StepProbe(keras.callbacks.Callback):
 
 def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe):
     with strategy.scope():
-        model = WORKLOADS[workload](params)
+        model = workloads.SYNTHETIC[workload](params)
         model.compile(optimizer=keras.optimizers.SGD(1e-3), jit_compile=False,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     # `batch_size` is per worker, so every job does the same work per worker and step.
     global_batch = batch_size * strategy.num_replicas_in_sync
-    x = np.random.default_rng(0).normal(size=(total_steps * global_batch, *model.input_shape[1:])).astype("float32")
-    y = np.random.default_rng(1).integers(0, CLASSES, size=total_steps * global_batch)
+    x, y = workloads.synthetic_data(model, total_steps * global_batch)
     model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[probe])
     return model, {}
 
@@ -114,24 +79,9 @@ class EpochClock(keras.callbacks.Callback):
 
 
 def _train_digits(strategy, batch_size, probe, target_accuracy, epochs):
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = (digits.images / 16.0).astype("float32")[..., None]
-    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.2, random_state=0,
-                                                        stratify=digits.target)
+    x_train, y_train, x_test, y_test = workloads.load_digits_split(0)
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((8, 8, 1)),
-            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(CLASSES),
-        ])
-        model.compile(optimizer=keras.optimizers.Adam(2e-3), jit_compile=False, metrics=["accuracy"],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = workloads.build_digits_model()
     clock = EpochClock()
     model.fit(x_train, y_train, batch_size=batch_size * strategy.num_replicas_in_sync, epochs=epochs, verbose=0,
               validation_data=(x_test, y_test), callbacks=[probe, clock])
@@ -182,7 +132,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", required=True)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--workload", choices=WORKLOADS, default="mlp")
     parser.add_argument("--params", type=float, default=6e6)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=8)

@@ -11,7 +11,6 @@
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -95,22 +94,19 @@ def _bench(args):
 
 
 def _run(args, passthrough):
+    from tfdp.tools.launcher import horovodrun_command
+
     if args.strategy:
-        presets.load_preset(args.strategy)  # Fail here, once, not on every worker.
+        presets.resolve_variant(args.strategy)  # Fail here, once, not on every worker.
         os.environ[presets.ENV_VAR] = args.strategy
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # The horovodrun installed beside this Python, the one tfdp and its Horovod live in.
-    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    horovodrun = beside if os.path.exists(beside) else shutil.which("horovodrun")
-    if horovodrun is None:
-        raise ValueError("horovodrun not found. Install Horovod with `bash tools/setup_env.sh`.")
-    command = [horovodrun, "-np", str(args.np), "-H", args.hosts or f"localhost:{args.np}"]
-    if not {"--gloo", "--mpi"} & set(passthrough):
-        command.append("--gloo")
     scripts = [i for i, arg in enumerate(passthrough) if arg.endswith(".py")]
     if scripts:  # Run the script with this Python, the one tfdp is installed in.
         passthrough = [*passthrough[: scripts[0]], sys.executable, *passthrough[scripts[0]:]]
-    os.execv(command[0], command + passthrough)
+    first = scripts[0] if scripts else len(passthrough)
+    horovodrun_args, command = passthrough[:first], passthrough[first:]
+    argv = horovodrun_command(command, args.np, args.hosts, horovodrun_args)
+    os.execv(argv[0], argv)  # horovodrun takes over this process: signals and exit code are its own.
 
 
 def build_parser():

@@ -1,6 +1,12 @@
-"""Launch N Horovod workers on loopback or on emulated hosts, without horovodrun.
+"""Launch N Horovod workers: through horovodrun, or directly on loopback or emulated hosts.
 
-Workers get Horovod's Gloo environment contract (``HOROVOD_RANK``, ``HOROVOD_SIZE``, local
+The one launcher of tfdp: `tfdp run` (`horovodrun_command`), `tfdp bench`, the benchmarks
+and the tests all start workers here, each job with a hard timeout (a hang is a failure).
+
+- ``launch(..., use_horovodrun=True)`` runs horovodrun itself (the user's path), in its own
+  process group; its output is captured and the whole group is killed on timeout.
+- ``launch(...)`` without horovodrun starts the workers directly (needed for emulated
+  hosts, where each worker runs inside its network namespace). Workers get Horovod's Gloo environment contract (``HOROVOD_RANK``, ``HOROVOD_SIZE``, local
 and cross ranks, ``HOROVOD_HOSTNAME``, ``HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT``,
 ``HOROVOD_CONTROLLER=gloo``, ``HOROVOD_CPU_OPERATIONS=gloo``, ``HOROVOD_GLOO_IFACE``) and meet
 at Horovod's own rendezvous server, bound to one address only: the bridge of the emulated
@@ -11,11 +17,14 @@ result names the failed rank. A timeout or Ctrl-C also ends every worker (their 
 groups), and the emulated network is removed in every case.
 
 Example:
+    >>> result = launch([sys.executable, "train.py"], workers=2, use_horovodrun=True, timeout=300)
     >>> result = launch([sys.executable, "train.py"], workers=2, rate_mbit=100)  # as root
     >>> result.returncode, result.failed_rank, result.link_bytes[0].sent
 """
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +47,68 @@ class LaunchResult:
     timed_out: bool = False
     link_bytes: list = field(default_factory=list)  # per host `LinkBytes` (emulated hosts only)
     output: str = ""
+
+
+def horovodrun_executable():
+    """The horovodrun installed beside this Python (the one tfdp and its Horovod live in)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    found = beside if os.path.exists(beside) else shutil.which("horovodrun")
+    if found is None:
+        raise ValueError("horovodrun not found. Install Horovod with `bash tools/setup_env.sh`.")
+    return found
+
+
+def horovodrun_command(command, workers, hosts=None, horovodrun_args=()):
+    """argv of ``horovodrun -np N -H HOSTS --gloo [args] command``.
+
+    `hosts` defaults to ``localhost:N``; pass ``hosts=False`` when `horovodrun_args` name the
+    hosts another way (``--host-discovery-script``). Gloo unless the args choose ``--mpi``.
+    """
+    argv = [horovodrun_executable(), "-np", str(workers)]
+    if hosts is not False:
+        argv += ["-H", hosts or f"localhost:{workers}"]
+    if not {"--gloo", "--mpi"} & set(horovodrun_args):
+        argv.append("--gloo")
+    return argv + list(horovodrun_args) + list(command)
+
+
+def run_process(command, timeout=None, env=None, sink=None):
+    """Run `command` in its own process group; kill the group at `timeout`. Returns a `LaunchResult`.
+
+    stdout and stderr are merged, in order, into ``result.output`` (and echoed to `sink`).
+    """
+    start = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines = []
+
+    def pump():
+        for line in iter(proc.stdout.readline, ""):
+            lines.append(line)
+            if sink is not None:
+                sink.write(line)
+                sink.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    except BaseException:
+        _end([proc])
+        raise
+    finally:
+        if proc.poll() is None:
+            _end([proc])
+    reader.join(timeout=5)
+    result = LaunchResult(returncode=124 if timed_out else proc.returncode, seconds=time.monotonic() - start,
+                          timed_out=timed_out, output="".join(lines))
+    failed = re.search(r"The first process to do so was:\s*\nProcess name: (\d+)\s*\nExit code: (-?\d+)", result.output)
+    if failed:
+        result.failed_rank, result.failed_code = int(failed.group(1)), int(failed.group(2))
+    return result
 
 
 def _worker_env(slot, address, port, iface, base_env):
@@ -85,15 +156,23 @@ def _end(processes):
             time.sleep(0.05)
 
 
-def launch(command, workers, rate_mbit=None, emulate=None, timeout=None, env=None, sink=sys.stdout, tag=None):
+def launch(command, workers, rate_mbit=None, emulate=None, timeout=None, env=None, sink=sys.stdout, tag=None,
+           use_horovodrun=False, hosts=None, horovodrun_args=()):
     """Run `command` (argv list) on `workers` workers; return a `LaunchResult`.
 
-    `emulate` (default: when `rate_mbit` is given) puts each worker in its own emulated host
-    linked at `rate_mbit` Mbit/s; otherwise all run on 127.0.0.1. `timeout` (seconds) ends a
-    job that runs too long: a hang is a failure. `sink` receives the prefixed output live.
+    With `use_horovodrun`, horovodrun starts them (`hosts`, `horovodrun_args` as in
+    `horovodrun_command`). Otherwise they start here: `emulate` (default: when `rate_mbit`
+    is given) puts each worker in its own emulated host linked at `rate_mbit` Mbit/s, else
+    all run on 127.0.0.1. `timeout` (seconds) ends a job that runs too long (exit 124): a
+    hang is a failure. `sink` receives the prefixed output live.
     """
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"`workers` must be an int >= 1. Received: {workers!r}")
+    if use_horovodrun:
+        if rate_mbit is not None or emulate:
+            raise ValueError("Emulated hosts run workers directly: pass use_horovodrun=False with rate_mbit.")
+        return run_process(horovodrun_command(command, workers, hosts, horovodrun_args), timeout,
+                           dict(os.environ if env is None else env), sink)
     emulate = rate_mbit is not None if emulate is None else emulate
     base_env = dict(os.environ if env is None else env)
     hosts = EmulatedHosts(workers, rate_mbit, tag=tag) if emulate else None
