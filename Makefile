@@ -1,17 +1,23 @@
 # All set-up happens in tools/setup_env.sh (idempotent: a second run takes seconds).
 PY := .venv/bin/python
 
-.PHONY: setup digits test test-fast bench bench-compression bench-async bench-hosts
+.PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts
 setup:
 	bash tools/setup_env.sh
 
 digits: setup
 	.venv/bin/tfdp run -np 2 examples/digits.py
 
+# Quick tier (what CI runs): every public feature at least once, real 2-worker jobs included.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not full" --durations=15
 
-test-fast: setup
+# Full tier: the quick tier plus convergence, elastic, emulated hosts (root), benchmarks as tests.
+test-full: setup
+	$(PY) -m pytest -q --durations=25
+
+# In-process tests only (fake ranks, no horovodrun): about a minute.
+test-unit: setup
 	$(PY) -m pytest -q -m "not multiprocess"
 
 bench: setup

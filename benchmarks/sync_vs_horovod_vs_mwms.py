@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tfdp.tools.launcher import launch
+from tfdp.tools.launcher import launch as launch_workers
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_sync_worker.py"
@@ -59,7 +59,7 @@ def launch(variant, out, worker_args, timeout=1800):
             if p.returncode:
                 raise RuntimeError(f"{variant} failed:\n{err[-3000:]}")
         return
-    run = launch(args, 2, use_horovodrun=True, timeout=timeout, env=ENV, sink=None)
+    run = launch_workers(args, 2, use_horovodrun=True, timeout=timeout, env=ENV, sink=None)
     if run.returncode:
         raise RuntimeError(f"{variant} failed:\n{run.output[-3000:]}")
 

@@ -8,6 +8,7 @@ from tfdp.tools import advisor, cli
 
 MATRIX = [(1000, 1000)]  # 4,000,000 bytes as float32
 B = 1e6  # bytes/s
+R = 4  # each rank's row count, one float32 all-reduced with the gradients
 
 
 def test_ring_bytes_per_worker():
@@ -22,13 +23,13 @@ def test_ring_bytes_per_worker():
 @pytest.mark.parametrize(
     "preset, seconds",
     [
-        ("sync", 0.5 + 4.0),                                   # C + M
-        ("fp16", 0.5 + 2.0),                                   # 2 bytes per entry
-        ("topk-1pct", 0.5 + 8 * 10_000 / B),                   # value + index, all-gathered once (P=2)
-        ("efsign", 0.5 + (125_000 + 4 * math.ceil(1e6 / 256)) / B),
-        ("powersgd-r4", 0.5 + (1000 + 1000) * 4 * 4 / B),
-        ("async-s1", max(0.5, 4.0)),                           # overlap
-        ("local-sgd-h16", 0.5 + 4.0 / 16),                     # one exchange per 16 steps
+        ("sync", 0.5 + 4.0 + R / B),                               # C + M
+        ("fp16", 0.5 + 2.0 + R / B),                               # 2 bytes per entry
+        ("topk-1pct", 0.5 + (8 * 10_000 + R) / B),                 # value + index, all-gathered once (P=2)
+        ("efsign", 0.5 + (125_000 + 4 * math.ceil(1e6 / 256) + R) / B),
+        ("powersgd-r4", 0.5 + ((1000 + 1000) * 4 * 4 + R) / B),
+        ("async-s1", max(0.5, 4.0 + R / B)),                       # overlap
+        ("local-sgd-h16", 0.5 + (4.0 + R / B) / 16),               # one exchange per 16 steps
     ],
 )
 def test_predicted_step_time(preset, seconds):
@@ -39,14 +40,14 @@ def test_predicted_step_time(preset, seconds):
 def test_latency_counts_each_collective():
     one = advisor.predict("sync", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
     two = advisor.predict("powersgd-r4", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
-    assert one == pytest.approx(4.0 + 0.01)
-    assert two == pytest.approx(32_000 / B + 0.02)  # P then Q
+    assert one == pytest.approx(4.0 + R / B + 0.01)
+    assert two == pytest.approx((32_000 + R) / B + 0.03)  # P, Q, then the small tensors and row count
 
 
 def test_small_tensors_go_dense_as_in_the_strategy():
     payloads, _ = advisor.exchange({"compressor": {"name": "topk", "ratio": 0.01}}, "compressed",
                                    [(1000, 1000), (100,)])
-    assert payloads == [(80_000, "allgather"), (400, "allreduce")]
+    assert payloads == [(80_000, "allgather"), (400 + R, "allreduce")]
 
 
 def test_advise_orders_fastest_first_and_recommends_compression_on_a_slow_link():

@@ -158,9 +158,36 @@ def test_strategy_rejects_non_bool_global_step_logs():
 def test_tfdp_run_hands_the_preset_to_every_worker():
     code = "import os; print('preset=' + os.environ['TFDP_STRATEGY'], os.environ['HOROVOD_RANK'])"
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "tfdp"), "run", "-np", "2", "--strategy", "sync", sys.executable, "-c", code],
+        [str(Path(sys.executable).parent / "tfdp"), "run", "-np", "2", "--strategy", "sync", sys.executable, "-c",
+         code],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert sorted(line.split(":", 1)[1] for line in out.stdout.splitlines() if "preset=" in line) == [
         "preset=sync 0", "preset=sync 1"]
+
+
+def test_worker_stdout_follows_the_current_rank_and_can_be_undone(monkeypatch):
+    import io
+
+    base = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", base)
+    monkeypatch.delenv(output.VERBOSE_WORKERS_ENV, raising=False)
+    output.follow_rank(1, 2)
+    wrapper = sys.stdout
+    print("hidden on rank 1")
+    output.follow_rank(0, 2)  # e.g. after an elastic reset this process became rank 0
+    print("shown on rank 0")
+    output.follow_rank(1, 2)
+    assert sys.stdout is wrapper and wrapper.stream is base  # wrapped once, no file opened
+    tfdp.set_worker_stdout(True)
+    assert tfdp.worker_stdout()
+    print("allowed on rank 1")
+    tfdp.set_worker_stdout(False)
+    print("hidden again")
+    tfdp.restore_stdout()
+    assert sys.stdout is base
+    print("restored")
+    assert base.getvalue().split() == ["shown", "on", "rank", "0", "allowed", "on", "rank", "1", "restored"]
+    with pytest.raises(ValueError, match="`enabled` must be True or False"):
+        tfdp.set_worker_stdout("yes")

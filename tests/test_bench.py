@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import QUIET_ENV
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.full]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (CAP_NET_ADMIN)")
 
 
@@ -35,10 +35,10 @@ def test_loopback_bench_writes_json_markdown_and_chart(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     sync, topk = report["rows"]
     assert (sync["preset"], topk["preset"]) == ("sync", "topk-1pct")
-    # Sync sends the model's float32 gradients, exactly, plus the step's metric scalars.
+    # Sync sends the model's float32 gradients and its row count, exactly, plus the step's metric scalars.
     shapes = report["single_worker"]["shapes"]
     dense = 4 * sum(math.prod(s) for s in shapes)
-    assert report["raw"]["sync"]["gradient_bytes_per_step"] == dense
+    assert report["raw"]["sync"]["gradient_bytes_per_step"] == dense + 4
     assert 0 < sync["payload_bytes_per_step"] - dense <= 64
     assert topk["payload_bytes_per_step"] < dense / 20
     assert sync["link_bytes_per_step"] is None  # Loopback is shared by all workers: not reported.

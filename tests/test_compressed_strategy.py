@@ -65,7 +65,8 @@ def test_gradient_bytes_are_what_the_shapes_say(results, name):
         warmup = 2 if name == "powersgd" else 0  # powersgd's first 2 steps are dense
         assert delta(case, "steps") == STEPS
         assert delta(case, "dense_bytes") == STEPS * dense
-        assert delta(case, "gradient_bytes") == warmup * dense + (STEPS - warmup) * compressed
+        # Plus each step's row count (one float32), sent with the gradients in fit.
+        assert delta(case, "gradient_bytes") == warmup * dense + (STEPS - warmup) * compressed + STEPS * 4
         # The logger reports the epoch's mean per step.
         assert case["history"]["gradient_bytes_per_step"] == [delta(case, "gradient_bytes") / STEPS]
         assert case["history"]["dense_bytes_per_step"] == [dense]

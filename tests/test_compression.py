@@ -172,7 +172,8 @@ def test_powersgd_is_exact_on_a_matrix_of_its_rank_and_warm_starts():
     assert codec.payload_bytes(bias.shape) == 48 * 4
     # Warm start: the Q kept for the next step is M^T orth(M Q0).
     p_orth = np.linalg.qr(low_rank.numpy() @ q0)[0]
-    np.testing.assert_allclose(np.abs(state.variable("w/powersgd_q", None).numpy()), np.abs(low_rank.numpy().T @ p_orth), rtol=1e-4, atol=1e-4)
+    kept_q = state.variable("w/powersgd_q", None).numpy()
+    np.testing.assert_allclose(np.abs(kept_q), np.abs(low_rank.numpy().T @ p_orth), rtol=1e-4, atol=1e-4)
 
 
 def test_powersgd_error_shrinks_over_steps_on_a_fixed_matrix():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_ok, run_workers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.full]
 WORKER = Path(__file__).resolve().parents[1] / "benchmarks" / "_digits_worker.py"
 FAMILIES = {
     # Negative controls: top-k 0.1% without error feedback; staleness 8.

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 from conftest import run_elastic, run_workers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.full]
 
 # digits, 12 epochs, Adam: uninterrupted 2-worker runs reached 0.97 here.
 ACCURACY_BAND = 0.02

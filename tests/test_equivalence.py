@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from conftest import assert_ok, run_script
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.full]
 
 
 def relative_differences(weights, reference):

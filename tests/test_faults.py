@@ -15,23 +15,36 @@ pytestmark = pytest.mark.multiprocess
 BOUND_SECONDS = 90
 
 
-@pytest.mark.parametrize(
-    "case, message",
-    [
-        ("different-model", "the model differs across workers"),
-        ("extra-layer", "the model differs across workers"),
-        ("jit", "Pass jit_compile=False"),
-        ("tiny-batch", "The global batch size 1 is smaller than the number of workers (2)"),
-        ("input-dtype", "The workers' inputs differ in shape or dtype: ranks [1] do not match rank 0"),
-        ("input-shape", "The workers' inputs differ in shape or dtype: ranks [1] do not match rank 0"),
-    ],
-)
-def test_bad_input_fails_on_every_rank(case, message):
+BAD_INPUT = {
+    "different-model": "the model differs across workers",
+    "extra-layer": "the model differs across workers",
+    "jit": "Pass jit_compile=False",
+    "tiny-batch": "The global batch size 1 is smaller than the number of workers (2)",
+    "input-dtype": "The workers' inputs differ in shape or dtype: ranks [1] do not match rank 0",
+    "input-shape": "The workers' inputs differ in shape or dtype: ranks [1] do not match rank 0",
+}
+
+
+def test_bad_input_is_a_value_error_on_every_rank_within_seconds():
+    # All cases in one job: each raises on both ranks at the same collective, so the next
+    # case starts paired. The worker exits non-zero if a case does not raise.
+    run = run_workers("faults.py", 2, ["--cases", *BAD_INPUT], timeout=BOUND_SECONDS)
+    assert run.returncode == 0, run.output[-4000:]
+    for case, message in BAD_INPUT.items():
+        for rank in (0, 1):
+            [line] = [line for line in run.output.splitlines() if line.startswith(f"[{rank}]<stderr>:case {case}:")]
+            assert message in line, line
+            assert float(line.split(": ")[1].split(" s")[0]) < 10, line  # seconds from the case's start
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["different-model", "input-shape"])
+def test_bad_input_ends_the_job_when_not_caught(case):
     run = run_workers("faults.py", 2, ["--case", case], timeout=BOUND_SECONDS)
     assert run.returncode != 0
     for rank in (0, 1):
-        assert any(line.startswith(f"[{rank}]<stderr>:") and message in line for line in run.output.splitlines()), (
-            f"rank {rank} did not report {message!r}:\n{run.output[-4000:]}")
+        assert any(line.startswith(f"[{rank}]<stderr>:") and BAD_INPUT[case] in line
+                   for line in run.output.splitlines()), f"rank {rank} did not report:\n{run.output[-4000:]}"
 
 
 def test_killed_worker_ends_the_job():
@@ -58,6 +71,7 @@ def test_stalled_worker_ends_the_job_within_the_step_timeout():
     assert run.seconds < 60
 
 
+@pytest.mark.full
 def test_bad_step_timeout_is_an_error_on_every_rank():
     run = run_workers("faults.py", 2, ["--case", "stall"], timeout=BOUND_SECONDS,
                       env={"TFDP_STEP_TIMEOUT_SECONDS": "soon"})

@@ -1,4 +1,8 @@
-"""The rest of Keras keeps working under tfdp.MirroredStrategy (2 real workers vs 1 plain process)."""
+"""The rest of Keras keeps working under tfdp.MirroredStrategy (2 real workers vs 1 plain process).
+
+Full tier: the quick tier covers the same features in `test_conformance.py` (clipnorm,
+class_weight, validation, callbacks, rank-0-only files, mixed precision).
+"""
 
 import json
 
@@ -7,7 +11,7 @@ import pytest
 from conftest import assert_ok, load_without_tfdp, run_script
 from test_equivalence import relative_differences
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.full]
 
 
 def train(tmp_path, mode, precision):

@@ -16,7 +16,7 @@ from tfdp.tools import network
 from tfdp.tools.launcher import launch
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (CAP_NET_ADMIN)")
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.full]
 
 WORKER = [sys.executable, str(WORKERS / "launched.py")]
 ENV = {**os.environ, **QUIET_ENV}

@@ -151,3 +151,30 @@ def test_reducer_state_without_a_fresh_snapshot_saves_only_this_ranks_row():
         return store["0"].tolist()
 
     assert run_ranks(2, body)[0] == [[5.0]]
+
+
+@pytest.mark.parametrize("make", [
+    lambda comm: AllReduceGradients(comm),
+    lambda comm: CompressedGradients(comm, TopK(1.0), error_feedback=False, min_compress_bytes=0),
+    lambda comm: StaleGradients(comm, 0),
+    lambda comm: LocalSGD(comm, sync_every=4, warmup_steps=10),
+])
+def test_rows_weighting_gives_the_global_mean_for_uneven_splits(make):
+    # Per-row gradients 1..5; rank 0 holds rows 1-2, rank 1 rows 3-5. Keras hands each rank
+    # its mean over its rows divided by 2 replicas; the global mean gradient is 3.
+    from tfdp.reducers.base import rows_of_this_step
+
+    rows = {0: [1.0, 2.0], 1: [3.0, 4.0, 5.0]}
+
+    def body(comm):
+        [v] = variables([(4,)])
+        reducer = make(comm)
+        local = tf.fill([4], float(np.mean(rows[comm.rank])) / 2)
+        with rows_of_this_step(tf.constant(len(rows[comm.rank]), tf.int64)):
+            [applied] = reducer.reduce([local], [v])
+        unweighted = reducer.reduce([local], [v])[0]  # outside a Keras step: no weighting
+        return applied.numpy(), unweighted.numpy()
+
+    for applied, unweighted in run_ranks(2, body):
+        np.testing.assert_allclose(applied, 3.0, rtol=1e-6)
+        np.testing.assert_allclose(unweighted, (1.5 + 4.0) / 2, rtol=1e-6)  # negative control: 2.75

@@ -8,7 +8,11 @@ same weights and data.
 
 ``PROGRAMS[name] = (function, reference)``: reference ``"plain"`` when the program must
 match one plain process, ``"tf-mirrored"`` where Keras defines the result by what
-`tf.distribute.MirroredStrategy` does (per-replica batch statistics).
+`tf.distribute.MirroredStrategy` does (per-replica batch statistics). ``TOLERANCES`` holds
+the few programs compared more loosely than 1e-5, with the reason.
+
+Result keys starting with ``per_rank_`` may differ between the ranks of one job (they
+are compared with the reference on rank 0); ``uncompared_`` keys are reported only.
 """
 
 import keras
@@ -18,6 +22,8 @@ import tensorflow as tf
 GLOBAL_BATCH = 32
 SEED = 11
 PROGRAMS = {}
+# float16 sums the gradient's batch rows in a different grouping on 2 workers.
+TOLERANCES = {"mixed_precision": 1e-3}
 
 
 def program(reference="plain"):
@@ -72,8 +78,8 @@ def result(model, history=None, evaluate=None, predict=None, **extra):
     return out
 
 
-def fit_mlp(make_strategy, x, y, compile_kwargs=dict, model_fn=mlp, **fit_kwargs):
-    """Build `model_fn()` under a fresh strategy, compile with `compile_kwargs()`, fit.
+def build(make_strategy, model_fn=mlp, compile_kwargs=dict):
+    """Build `model_fn()` under a fresh strategy, seeded, compiled with `compile_kwargs()`.
 
     `compile_kwargs` is called inside the scope: optimizers and metrics belong there.
     """
@@ -82,6 +88,12 @@ def fit_mlp(make_strategy, x, y, compile_kwargs=dict, model_fn=mlp, **fit_kwargs
         keras.utils.set_random_seed(SEED)
         model = model_fn()
         model.compile(**({"optimizer": sgd(), "loss": "mse"} | compile_kwargs()))
+    return model
+
+
+def fit_mlp(make_strategy, x, y, compile_kwargs=dict, model_fn=mlp, **fit_kwargs):
+    """`build`, then fit (x, y) at the global batch, unshuffled, for 2 epochs unless told otherwise."""
+    model = build(make_strategy, model_fn, compile_kwargs)
     history = model.fit(x, y, verbose=0, **({"batch_size": GLOBAL_BATCH, "epochs": 2, "shuffle": False} | fit_kwargs))
     return model, history
 
@@ -102,6 +114,16 @@ def numpy_shuffled(make_strategy):
     x, y = regression()
     model, history = fit_mlp(make_strategy, x, y, shuffle=True, epochs=3)
     return result(model, history)
+
+
+@program()
+def uneven_last_batch(make_strategy):
+    # 101 rows at batch 32: the last global batch has 5 rows, 2 on rank 0 and 3 on rank 1.
+    x, y = regression(n=101)
+    weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]}, sample_weight=weights)
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  model.predict(x, batch_size=GLOBAL_BATCH, verbose=0))
 
 
 @program()
@@ -179,11 +201,7 @@ def tf_data_shuffle_prefetch(make_strategy):
     x, y = regression()
     ds = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=3)
           .batch(GLOBAL_BATCH).prefetch(tf.data.AUTOTUNE))
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        model = mlp()
-        model.compile(sgd(), "mse")
+    model = build(make_strategy)
     history = model.fit(ds, epochs=3, verbose=0)
     return result(model, history)
 
@@ -192,11 +210,7 @@ def tf_data_shuffle_prefetch(make_strategy):
 def tf_data_repeat_steps_per_epoch(make_strategy):
     x, y = regression(n=96)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).repeat()
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        model = mlp()
-        model.compile(sgd(), "mse")
+    model = build(make_strategy)
     history = model.fit(ds, epochs=3, steps_per_epoch=2, verbose=0)  # epochs run across the repeats
     return result(model, history)
 
@@ -209,11 +223,7 @@ def python_generator(make_strategy):
         for i in range(0, len(x), GLOBAL_BATCH):
             yield x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]
 
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        model = mlp()
-        model.compile(sgd(), "mse")
+    model = build(make_strategy)
     history = model.fit(batches(), epochs=1, verbose=0)
     # Not compared: one plain process counts 8 iterations for these 7 batches (Keras runs
     # the step once more when a generator ends; the counter moves, the weights do not).
@@ -234,11 +244,7 @@ class Rows(keras.utils.PyDataset):
 
 def fit_py_dataset(make_strategy, **kwargs):
     x, y = regression(n=100)  # a last batch of 4 rows
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        model = mlp()
-        model.compile(sgd(), "mse")
+    model = build(make_strategy)
     history = model.fit(Rows(x, y, **kwargs), epochs=2, verbose=0)
     return result(model, history)
 
@@ -258,12 +264,8 @@ def sparse_inputs(make_strategy):
     x, y = regression()
     x[np.abs(x) < 0.8] = 0.0  # mostly zeros
     ds = tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(x), y)).batch(GLOBAL_BATCH)
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        model = keras.Sequential([keras.Input((6,), sparse=True), keras.layers.Dense(8, activation="tanh"),
-                                  keras.layers.Dense(1)])
-        model.compile(sgd(), "mse")
+    model = build(make_strategy, lambda: keras.Sequential([
+        keras.Input((6,), sparse=True), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]))
     history = model.fit(ds, epochs=2, verbose=0)
     return result(model, history)
 
@@ -284,11 +286,7 @@ def ragged_inputs(make_strategy):
     rows = [rng.integers(0, 12, size=rng.integers(1, 6)).tolist() for _ in range(96)]
     y = np.array([[sum(r) / len(r) / 12.0] for r in rows], "float32")
     ds = tf.data.Dataset.from_tensor_slices((tf.ragged.constant(rows), y)).batch(GLOBAL_BATCH)
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        model = RaggedMean()
-        model.compile(sgd(), "mse")
+    model = build(make_strategy, RaggedMean)
     history = model.fit(ds, epochs=2, verbose=0)
     return result(model, history)
 
@@ -298,12 +296,9 @@ def embedding_sparse_gradients(make_strategy):
     rng = np.random.default_rng(3)
     x = rng.integers(0, 500, size=(128, 3)).astype("int32")
     y = (x.sum(axis=1, keepdims=True) / 1500.0).astype("float32")
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(500, 4),
-                                  keras.layers.Flatten(), keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.01), "mse")
+    model = build(make_strategy, lambda: keras.Sequential([
+        keras.Input((3,), dtype="int32"), keras.layers.Embedding(500, 4), keras.layers.Flatten(),
+        keras.layers.Dense(1)]), lambda: {"optimizer": keras.optimizers.Adam(0.01)})
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
     return result(model, history)
 
@@ -451,7 +446,8 @@ def batchnorm_per_replica(make_strategy):
 @program()
 def adam_global_clipnorm(make_strategy):
     x, y = regression()
-    model, history = fit_mlp(make_strategy, x, y, lambda: {"optimizer": keras.optimizers.Adam(0.01, global_clipnorm=0.1)})
+    model, history = fit_mlp(make_strategy, x, y, lambda: {
+        "optimizer": keras.optimizers.Adam(0.01, global_clipnorm=0.1)})
     return result(model, history)
 
 
@@ -490,11 +486,7 @@ def steps_per_execution(make_strategy):
 @program()
 def on_batch_methods(make_strategy):
     x, y = regression(n=GLOBAL_BATCH)
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        model = mlp()
-        model.compile(sgd(), "mse")
+    model = build(make_strategy)
     losses = [float(model.train_on_batch(x, y)) for _ in range(3)]
     return result(model, test_on_batch=float(model.test_on_batch(x, y)), train_losses=losses,
                   predict=model.predict_on_batch(x[:8]))
@@ -529,6 +521,37 @@ def epoch_callbacks(make_strategy):
 
 
 # -- set-up ----------------------------------------------------------------------------
+
+@program()
+def mixed_precision(make_strategy):
+    x, y = regression()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model, history = fit_mlp(make_strategy, x, y)  # Keras wraps SGD in a LossScaleOptimizer
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return result(model, history, uncompared_optimizer=type(model.optimizer).__name__)
+
+
+@program()
+def checkpoints_and_logs_on_rank_0(make_strategy):
+    """ModelCheckpoint, TensorBoard, BackupAndRestore and model.save write on rank 0 only."""
+    import os
+    import tempfile
+
+    x, y = regression()
+    folder = tempfile.mkdtemp(prefix=f"tfdp-conformance-rank{rank()}-")
+    callbacks = [keras.callbacks.ModelCheckpoint(os.path.join(folder, "ckpt-{epoch}.keras")),
+                 keras.callbacks.TensorBoard(os.path.join(folder, "tb")),
+                 keras.callbacks.BackupAndRestore(os.path.join(folder, "backup"), delete_checkpoint=False)]
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]}, epochs=3, callbacks=callbacks)
+    if rank() == 0:  # the Horovod idiom: only rank 0 saves, the others go on (no collective in save)
+        model.save(os.path.join(folder, "model.keras"))
+    written = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files)
+    written = [name.split("/events.out")[0] if "events.out" in name else name for name in written]
+    return result(model, history, per_rank_files_written=len(written),
+                  per_rank_checkpoints=len([n for n in written if n.startswith("ckpt-")]))
+
 
 @program()
 def seed_before_strategy(make_strategy):

@@ -33,7 +33,8 @@ def custom_loop(make_optimizer, micro_batches, share):
     optimizer = make_optimizer()
     loss_fn = keras.losses.MeanSquaredError()
     for step in range(STEPS):
-        xb, yb = share(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]), share(y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
+        rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        xb, yb = share(x[rows]), share(y[rows])
         for xm, ym in zip(np.array_split(xb, micro_batches), np.array_split(yb, micro_batches)):
             with tf.GradientTape() as tape:
                 loss = loss_fn(ym, model(xm))

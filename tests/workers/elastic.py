@@ -9,8 +9,6 @@ Rank 0 writes rank0.json to --out: test accuracy, final world size, resets, epoc
 import argparse
 import os
 import signal
-import sys
-from pathlib import Path
 
 from _common import write_result
 

@@ -1,5 +1,10 @@
 """Misbehave on purpose; the job must end quickly with a clear error on every rank.
 
+    --case NAME              one case; an error ends the job
+    --cases NAME NAME ...    bad-input cases one after the other in this job: each must raise
+                             a ValueError on every rank (printed as "case NAME: message"),
+                             and the next case runs
+
     --case different-model   rank 1 builds a wider layer
     --case jit               compile(jit_compile=True)
     --case extra-layer       rank 1 builds one more layer
@@ -13,6 +18,7 @@
 import argparse
 import os
 import signal
+import sys
 import time
 
 from _common import rank
@@ -35,23 +41,38 @@ class StallAtBatch(keras.callbacks.Callback):
             time.sleep(3600)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", required=True)
-    args = parser.parse_args()
+def run_case(case):
     strategy = tfdp.MirroredStrategy()
-    width = 13 if (args.case == "different-model" and rank() == 1) else 12
+    width = 13 if (case == "different-model" and rank() == 1) else 12
     with strategy.scope():
         layers = [keras.Input((4,)), keras.layers.Dense(width), keras.layers.Dense(1)]
-        if args.case == "extra-layer" and rank() == 1:
+        if case == "extra-layer" and rank() == 1:
             layers.append(keras.layers.Dense(1))
         model = keras.Sequential(layers)
-        model.compile(optimizer="sgd", loss="mse", jit_compile=args.case == "jit")
-    features = 5 if (args.case == "input-shape" and rank() == 1) else 4
-    dtype = "int32" if (args.case == "input-dtype" and rank() == 1) else "float32"
+        model.compile(optimizer="sgd", loss="mse", jit_compile=case == "jit")
+    features = 5 if (case == "input-shape" and rank() == 1) else 4
+    dtype = "int32" if (case == "input-dtype" and rank() == 1) else "float32"
     x = np.ones((4096, features), dtype)
-    callbacks = {"die": [DieAtBatch()], "stall": [StallAtBatch()]}.get(args.case, [])
-    model.fit(x, x[:, :1], batch_size=1 if args.case == "tiny-batch" else 8, epochs=50, verbose=0, callbacks=callbacks)
+    callbacks = {"die": [DieAtBatch()], "stall": [StallAtBatch()]}.get(case, [])
+    model.fit(x, x[:, :1], batch_size=1 if case == "tiny-batch" else 8, epochs=50, verbose=0, callbacks=callbacks)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case")
+    parser.add_argument("--cases", nargs="+")
+    args = parser.parse_args()
+    if args.case:
+        run_case(args.case)
+        return
+    for case in args.cases:
+        start = time.monotonic()
+        try:
+            run_case(case)
+        except ValueError as err:
+            print(f"case {case}: {time.monotonic() - start:.1f} s: {err}", file=sys.stderr, flush=True)
+        else:
+            raise SystemExit(f"case {case} did not raise")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ class StrategyHooks(abc.ABC):
         """Given whether this rank has a next batch, return whether every rank has one."""
 
     @abc.abstractmethod
+    def training_step(self, data):
+        """A context manager around one Keras training step on this rank's `data`."""
+
+    @abc.abstractmethod
     def split_batch(self, structure):
         """This rank's rows of one global batch (any nest of arrays or tensors, None kept)."""
 
@@ -425,6 +429,32 @@ def _split_on_batch_inputs(method, names):
     return wrapper
 
 
+def _patch_train_function():
+    # keras/src/backend/tensorflow/trainer.py: `make_train_function` builds the train
+    # function from `self.train_step` (Keras's or the user's) with `_make_function`. tfdp
+    # wraps the step so that the gradient reduction knows this rank's rows.
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original = tf_trainer.TensorFlowTrainer.make_train_function
+
+    @functools.wraps(original)
+    def make_train_function(self, force=False):
+        hooks = _strategy_hooks(self._distribute_strategy)
+        if hooks is None or (self.train_function is not None and not force):
+            return original(self, force)
+        step = self.train_step
+
+        def train_step(data):
+            with hooks.training_step(data):
+                return step(data)
+
+        self.train_function = self._make_function(train_step)
+        return self.train_function
+
+    make_train_function._tfdp_original = original
+    tf_trainer.TensorFlowTrainer.make_train_function = make_train_function
+
+
 def _patch_on_batch():
     # keras/src/backend/tensorflow/trainer.py: `train_on_batch(x, y, sample_weight,
     # class_weight, return_dict)`, `test_on_batch(x, y, sample_weight, return_dict)` and
@@ -563,6 +593,7 @@ def install():
     _patch_callbacks()
     _patch_epoch_iterator()
     _patch_on_batch()
+    _patch_train_function()
     _installed = True
 
 
@@ -588,5 +619,6 @@ def hooked_functions():
         (tf_trainer.TensorFlowTrainer, "train_on_batch"),
         (tf_trainer.TensorFlowTrainer, "test_on_batch"),
         (tf_trainer.TensorFlowTrainer, "predict_on_batch"),
+        (tf_trainer.TensorFlowTrainer, "make_train_function"),
     ]
 

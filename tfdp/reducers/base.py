@@ -14,11 +14,19 @@ tfdp's Keras hooks call exactly these, on every reducer, never probing for other
 
 The base class does the chores every reducer shares: None gradients stay None,
 `IndexedSlices` either travel as slices (``sparse = True``: all-gather of rows and
-indices) or are made dense, and every step is counted. Subclasses implement `_reduce`
-for the dense gradients that are present.
+indices) or are made dense, every step is counted, and gradients are weighted by rows.
+Subclasses implement `_reduce` for the dense gradients that are present.
+
+Rows: Keras divides each replica's mean loss by the number of replicas P, which equals the
+global mean only when every rank holds as many rows (not for a last partial batch split
+2/3, say). Inside a Keras training step (`rows_of_this_step`), each rank sends
+``rows * g`` and its row count in the same exchange, and applies
+``P * sum(rows * g) / sum(rows)``: the gradient of the global mean, for any split.
 """
 
 import abc
+import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -30,6 +38,30 @@ _OPS = ("sum", "average")
 def variable_key(variable):
     """The name tfdp keys per-variable state by: the Keras variable path (or TF name)."""
     return getattr(variable, "path", None) or variable.name
+
+
+_step = threading.local()
+
+
+@contextlib.contextmanager
+def rows_of_this_step(rows):
+    """Within this block, reductions weight this rank's gradients by `rows` (a scalar tensor)."""
+    previous = getattr(_step, "rows", None)
+    _step.rows = rows
+    try:
+        yield
+    finally:
+        _step.rows = previous
+
+
+class _RowCountSlot:
+    """Stands in for a variable beside the row count exchanged with the gradients."""
+
+    path = name = "tfdp/row_count"
+
+
+#: The "variable" of the row count a reducer's `_reduce` may receive last.
+ROW_COUNT = _RowCountSlot()
 
 
 class GradientReducer(abc.ABC):
@@ -76,14 +108,29 @@ class GradientReducer(abc.ABC):
         present = [i for i, g in enumerate(grads) if g is not None]
         slices = [i for i in present if self.sparse and isinstance(grads[i], tf.IndexedSlices)]
         dense = [i for i in present if i not in slices]
+        rows = getattr(_step, "rows", None) if self.communicator.size > 1 else None
+        weight = (lambda g: g) if rows is None else (lambda g: _scaled(g, tf.cast(rows, tf.float32)))
+        dense_grads = [weight(tf.convert_to_tensor(grads[i])) for i in dense]
+        dense_vars = [variables[i] for i in dense]
+        if rows is not None:  # the row count rides along in the same exchange
+            dense_grads.append(tf.reshape(tf.cast(rows, tf.float32), [1]))
+            dense_vars.append(ROW_COUNT)
         result = list(grads)
-        if dense:
-            reduced = self._reduce([tf.convert_to_tensor(grads[i]) for i in dense], [variables[i] for i in dense])
-            for i, g in zip(dense, reduced):
-                result[i] = g
-        for i, g in zip(slices, self._reduce_slices([grads[i] for i in slices])):
+        reduced = self._reduce(dense_grads, dense_vars) if dense_grads else []
+        gathered = self._reduce_slices([weight(grads[i]) for i in slices])
+        if rows is not None:
+            *reduced, total = reduced
+            gathered = [self.unweight(g, total) for g in gathered]
+            reduced = [self.unweight(g, total) for g in reduced]
+        for i, g in zip(dense + slices, list(reduced) + list(gathered)):
             result[i] = g
         return result
+
+    def unweight(self, grad, total_rows):
+        """``P * grad / total_rows``: a sum of row-weighted gradients back to the global mean's
+        (0 where nothing was exchanged yet, as for the first steps of bounded staleness)."""
+        factor = tf.math.divide_no_nan(tf.cast(self.communicator.size, tf.float32), tf.reshape(total_rows, []))
+        return _scaled(grad, factor)
 
     @abc.abstractmethod
     def _reduce(self, grads, variables):
@@ -113,3 +160,9 @@ class GradientReducer(abc.ABC):
     def stats(self):
         """Statistics beyond the communicator's counters (a dict of numbers)."""
         return {"max_staleness": 0}
+
+
+def _scaled(grad, factor):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)

@@ -1,8 +1,9 @@
 """Bounded-staleness gradient exchange: all-reduce in the background, apply s steps later.
 
 At step t a worker hands its gradient to a background thread, which all-reduces the
-gradients in step order (each rank submits the same sequence, so Horovod pairs them), and the step then applies the globally summed gradient of step t - s,
-waiting for it if it is not there yet. That wait is the bound: no worker ever applies a
+gradients in step order (each rank submits the same sequence, so Horovod pairs them), and
+the step then applies the globally summed gradient of step t - s, waiting for it if it is
+not there yet. That wait is the bound: no worker ever applies a
 gradient older than s steps, and a worker can run at most s steps ahead of the slowest
 one. Every rank applies the same sequence of summed gradients, so weights stay identical.
 """
@@ -14,7 +15,7 @@ import time
 import tensorflow as tf
 
 from tfdp._compat.tensorflow import local_variable
-from tfdp.reducers.base import GradientReducer
+from tfdp.reducers.base import ROW_COUNT, GradientReducer
 
 WAIT_TIMEOUT_SECONDS = 600
 
@@ -136,6 +137,7 @@ class StaleGradients(GradientReducer):
         self._max_staleness = local_variable(tf.constant(0, tf.int64), "tfdp_max_staleness")
         self._shapes = None
         self._variables = None
+        self._weighted = False
 
     def stats(self):
         return {"max_staleness": int(self._max_staleness.numpy()),
@@ -149,6 +151,9 @@ class StaleGradients(GradientReducer):
         return applied, tf.constant(age, tf.int64)
 
     def _reduce(self, grads, variables):
+        # With row weighting the last entry is this step's row count; it travels (and is
+        # delayed) with the gradients, so `settle` can unweight what it applies.
+        self._weighted = variables[-1] is ROW_COUNT
         self._shapes = [(g.shape, g.dtype) for g in grads]
         flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in grads], axis=0)
         # py_function hands the step's tensor to Python without a copy; the exchange
@@ -156,9 +161,12 @@ class StaleGradients(GradientReducer):
         applied, age = tf.py_function(self._exchange, [flat], [tf.float32, tf.int64])
         applied = tf.reshape(applied, tf.shape(flat))
         self._max_staleness.assign(tf.maximum(self._max_staleness, age))
+        applied = self._unflatten(applied)
         if self.damping == "lr":
-            applied = applied / tf.cast(1 + tf.maximum(age, 0), tf.float32)
-        return self._unflatten(applied)
+            damped = len(applied) - (1 if self._weighted else 0)  # not the row count
+            scale = 1 / tf.cast(1 + tf.maximum(age, 0), tf.float32)
+            applied = [g * tf.cast(scale, g.dtype) for g in applied[:damped]] + applied[damped:]
+        return applied
 
     def _unflatten(self, vector):
         pieces = tf.split(vector, [s.num_elements() for s, _ in self._shapes])
@@ -175,4 +183,8 @@ class StaleGradients(GradientReducer):
             return
         scale = 1.0 / (1 + self.staleness) if self.damping == "lr" else 1.0
         for vector in pending:
-            apply_gradients(self._unflatten(tf.cast(vector, tf.float32) * scale), self._variables)
+            grads = self._unflatten(tf.cast(vector, tf.float32))
+            if self._weighted:
+                *grads, total = grads
+                grads = [self.unweight(g, total) for g in grads]
+            apply_gradients([g * scale for g in grads], self._variables)

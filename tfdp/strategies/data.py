@@ -21,7 +21,8 @@ def rank_rows(n, rank, size):
     return (n * rank) // size, (n * (rank + 1)) // size
 
 
-def _num_rows(t):
+def num_rows(t):
+    """Rows of a dense, sparse or ragged tensor, as an int64 scalar tensor."""
     if isinstance(t, tf.SparseTensor):
         return t.dense_shape[0]
     if isinstance(t, tf.RaggedTensor):
@@ -41,7 +42,7 @@ def _slice_rows(t, start, stop):
 def take_rows(structure, rank, size):
     """This rank's rows of one global batch (any nest of dense, sparse or ragged tensors)."""
     flat = [t for t in tf.nest.flatten(structure, expand_composites=False) if t is not None]
-    n = _num_rows(flat[0])
+    n = num_rows(flat[0])
     start, stop = rank_rows(n, rank, size)
     return tf.nest.map_structure(lambda t: None if t is None else _slice_rows(t, start, stop), structure)
 

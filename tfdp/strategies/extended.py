@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from tfdp._compat.keras import UNKNOWN, StrategyHooks
 from tfdp._compat.tensorflow import Mirrored, MirroredExtended, in_xla_context, local_variable
-from tfdp.strategies.data import shard_global_batches, take_rows
+from tfdp.reducers.base import rows_of_this_step
+from tfdp.strategies.data import num_rows, shard_global_batches, take_rows
 
 _SIGNATURE_DIMS = 8
 
@@ -273,6 +274,10 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             print(f"tfdp: ranks {empty} ran out of input before rank {self._rank}: every rank ends the "
                   f"epoch here, and rank {self._rank} leaves its remaining batches unread.", file=sys.stderr)
         return everyone
+
+    def training_step(self, data):
+        first = next(t for t in tf.nest.flatten(data) if t is not None)
+        return rows_of_this_step(num_rows(first))
 
     def split_batch(self, structure):
         if self._size == 1 or structure is None:

@@ -26,6 +26,9 @@ from tfdp.compression import resolve
 from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
 
 
+ROW_COUNT_BYTES = 4
+
+
 @dataclass(frozen=True)
 class Prediction:
     preset: str
@@ -54,18 +57,21 @@ def ring_bytes(payload, workers, kind):
 
 
 def exchange(preset_options, kind, shapes):
-    """Return (payloads, collectives): [(bytes, "allreduce"|"allgather")] per exchange and its count."""
-    dense = sum(4 * _numel(s) for s in shapes)
+    """Return (payloads, collectives): [(bytes, "allreduce"|"allgather")] per exchange and its count.
+
+    Each rank's row count (one float32) travels with the gradients of a Keras training step.
+    """
+    dense = sum(4 * _numel(s) for s in shapes) + ROW_COUNT_BYTES
     if kind != "compressed":
         return [(dense, "allreduce")], 1
     codec = resolve(preset_options.get("compressor", "fp16"))
     limit = preset_options.get("min_compress_bytes", DEFAULT_MIN_COMPRESS_BYTES)
-    small = sum(4 * _numel(s) for s in shapes if 4 * _numel(s) < limit)
+    small = sum(4 * _numel(s) for s in shapes if 4 * _numel(s) < limit) + ROW_COUNT_BYTES
     large = [s for s in shapes if 4 * _numel(s) >= limit]
     compressed = sum(codec.payload_bytes(s) for s in large)
     travel = "allreduce" if codec.summable else "allgather"
     rounds = 2 if codec.name == "powersgd" else 1
-    return [(compressed, travel), (small, "allreduce")], rounds + (1 if small else 0)
+    return [(compressed, travel), (small, "allreduce")], rounds + 1
 
 
 def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4):

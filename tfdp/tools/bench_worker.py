@@ -11,7 +11,6 @@ over those steps and, on emulated hosts, the bytes that crossed this host's link
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time

@@ -6,10 +6,13 @@ and the tests all start workers here, each job with a hard timeout (a hang is a 
 - ``launch(..., use_horovodrun=True)`` runs horovodrun itself (the user's path), in its own
   process group; its output is captured and the whole group is killed on timeout.
 - ``launch(...)`` without horovodrun starts the workers directly (needed for emulated
-  hosts, where each worker runs inside its network namespace). Workers get Horovod's Gloo environment contract (``HOROVOD_RANK``, ``HOROVOD_SIZE``, local
-and cross ranks, ``HOROVOD_HOSTNAME``, ``HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT``,
-``HOROVOD_CONTROLLER=gloo``, ``HOROVOD_CPU_OPERATIONS=gloo``, ``HOROVOD_GLOO_IFACE``) and meet
-at Horovod's own rendezvous server, bound to one address only: the bridge of the emulated
+  hosts, where each worker runs inside its network namespace).
+
+Directly started workers get Horovod's Gloo environment contract (``HOROVOD_RANK``,
+``HOROVOD_SIZE``, local and cross ranks, ``HOROVOD_HOSTNAME``,
+``HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT``, ``HOROVOD_CONTROLLER=gloo``,
+``HOROVOD_CPU_OPERATIONS=gloo``, ``HOROVOD_GLOO_IFACE``) and meet at Horovod's own
+rendezvous server, bound to one address only: the bridge of the emulated
 hosts, or 127.0.0.1 on loopback. Output lines are prefixed ``[rank]<stdout>:`` like horovodrun.
 
 Like horovodrun, the first worker to fail ends the job: the others are terminated, and the
