@@ -23,11 +23,12 @@ import tfdp  # noqa: E402
 
 def variants(delay):
     return {
-        "mirrored": lambda: tfdp.MirroredStrategy(global_step_logs=False),
-        "compute-only": lambda: tfdp.AsyncStrategy(staleness=0),
-        "sync-slow-link": lambda: tfdp.AsyncStrategy(staleness=0, exchange_delay_seconds=delay),
-        "s1-slow-link": lambda: tfdp.AsyncStrategy(staleness=1, exchange_delay_seconds=delay),
-        "s2-slow-link": lambda: tfdp.AsyncStrategy(staleness=2, exchange_delay_seconds=delay),
+        # Shipped presets with explicit overrides (`tfdp.presets` variants).
+        "mirrored": lambda: tfdp.strategy("sync:global_step_logs=false"),
+        "compute-only": lambda: tfdp.strategy("async-s1:staleness=0"),
+        "sync-slow-link": lambda: tfdp.strategy(f"async-s1:staleness=0,exchange_delay_seconds={delay}"),
+        "s1-slow-link": lambda: tfdp.strategy(f"async-s1:exchange_delay_seconds={delay}"),
+        "s2-slow-link": lambda: tfdp.strategy(f"async-s2:damping=null,exchange_delay_seconds={delay}"),
     }
 
 

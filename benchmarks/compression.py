@@ -1,7 +1,7 @@
 """Dense versus every compressor on digits, 2 workers, side by side in one run.
 
 Every configuration trains the digits conv net (examples/digits.py, 33.8k parameters)
-inside the same two horovodrun workers, one after the other, for the same epochs,
+inside the same two horovodrun workers (shipped presets and explicit variants of them), one after the other, for the same epochs,
 global batch and seeds. Prints per configuration: median time per step (and its ratio
 to sync), gradient bytes per step handed to collectives by one worker (and the ratio
 to float32), and mean test accuracy over the seeds.
@@ -23,8 +23,10 @@ import _launch
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_digits_worker.py"
-CONFIGS = ["sync", "fp16", "bf16", "qsgd", "randomk-10pct", "topk-1pct", "efsign", "powersgd-r2",
-           "powersgd-r4", "topk-0.1pct-no-ef"]
+# Shipped presets, and variants of them (`tfdp.presets`): printed as they are run.
+CONFIGS = ["sync", "fp16", "bf16", "qsgd", "fp16:compressor.name=randomk,compressor.ratio=0.1,error_feedback=false",
+           "topk-1pct", "efsign", "powersgd-r4:compressor.rank=2", "powersgd-r4",
+           "topk-1pct:compressor.ratio=0.001,error_feedback=false"]
 
 
 def run_job(out, args):

@@ -41,7 +41,12 @@ def _script(script):
 
 def run_workers(script, np_=2, args=(), timeout=240, env=None):
     """Run `tests/workers/<script>` (or a path) on `np_` workers under horovodrun (Gloo, localhost)."""
-    command = [sys.executable, _script(script), *map(str, args)]
+    return run_command(["python", _script(script), *map(str, args)], np_, timeout, env)
+
+
+def run_command(command, np_=2, timeout=240, env=None):
+    """Run `command` (a leading "python" is this Python) on `np_` workers under horovodrun."""
+    command = [sys.executable if c == "python" and i == 0 else str(c) for i, c in enumerate(command)]
     return _finish(launch(command, np_, use_horovodrun=True, timeout=timeout, env=_env(env), sink=None),
                    command, timeout)
 

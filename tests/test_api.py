@@ -191,3 +191,20 @@ def test_worker_stdout_follows_the_current_rank_and_can_be_undone(monkeypatch):
     assert base.getvalue().split() == ["shown", "on", "rank", "0", "allowed", "on", "rank", "1", "restored"]
     with pytest.raises(ValueError, match="`enabled` must be True or False"):
         tfdp.set_worker_stdout("yes")
+
+
+def test_variants_are_presets_with_explicit_overrides(monkeypatch):
+    cls, options = presets.resolve_variant("topk-1pct:compressor.ratio=0.001,error_feedback=false")
+    assert cls is tfdp.CompressedStrategy
+    assert options == {"compressor": {"name": "topk", "ratio": 0.001}, "error_feedback": False}
+    _, options = presets.resolve_variant("fp16:compressor.name=randomk,compressor.ratio=0.1,error_feedback=false")
+    assert options["compressor"] == {"name": "randomk", "ratio": 0.1}  # `fp16` became {name: fp16} first
+    assert presets.load_preset("topk-1pct")["options"]["compressor"]["ratio"] == 0.01  # the file is untouched
+    monkeypatch.setenv("TFDP_STRATEGY", "async-s1:staleness=3")
+    assert tfdp.strategy().staleness == 3
+    with pytest.raises(ValueError, match=r"overrides are written key=value"):
+        presets.resolve_variant("sync:global_step_logs")
+    with pytest.raises(ValueError, match=r"Unknown strategy preset 'nope'"):
+        presets.resolve_variant("nope:x=1")
+    with pytest.raises(ValueError, match=r"does not take"):
+        tfdp.strategy("sync:speed=11")

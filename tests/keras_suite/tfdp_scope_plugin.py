@@ -34,3 +34,20 @@ def tearDown(self):  # noqa: N802
 
 
 test_case.TestCase.setUp, test_case.TestCase.tearDown = setUp, tearDown
+
+
+def pytest_runtest_logreport(report):
+    """With TFDP_KERAS_SUITE_OUT set, append each test's outcome and error line to <out>/rank<r>.jsonl."""
+    import json
+    import os
+
+    out = os.environ.get("TFDP_KERAS_SUITE_OUT")
+    if not out or (report.when != "call" and report.outcome != "failed" and not report.skipped):
+        return
+    error = ""
+    if report.failed:
+        lines = [line for line in str(report.longrepr).splitlines() if line.startswith("E ")]
+        error = lines[0][1:].strip() if lines else str(report.longrepr).splitlines()[-1]
+    record = {"test": report.nodeid.split("::")[-1], "outcome": report.outcome, "error": error}
+    with open(os.path.join(out, f"rank{os.environ.get('HOROVOD_RANK', '0')}.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
