@@ -16,7 +16,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need r
 
 def tfdp_cli(*args, timeout=600):
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "tfdp.cli", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "tfdp.tools.cli", *args], capture_output=True, text=True,
                          timeout=timeout, env={**os.environ, **QUIET_ENV})
     return out, time.monotonic() - start
 

@@ -15,7 +15,8 @@ import pytest
 from conftest import assert_ok, run_workers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.full]
-WORKER = Path(__file__).resolve().parents[1] / "benchmarks" / "_digits_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "benchmarks" / "_preset_worker.py"
+EPOCHS = 20
 FAMILIES = {
     # Negative controls: top-k 0.1% without error feedback; staleness 8.
     "compressed": (["fp16", "bf16", "topk-1pct", "qsgd", "efsign", "powersgd-r4"],
@@ -32,7 +33,7 @@ def mean_accuracies(out_dir, run):
     assert [r["accuracy"] for r in rows[0]] == [r["accuracy"] for r in rows[1]]  # global evaluate
     by_config = {}
     for row in rows[0]:
-        by_config.setdefault(row["config"], []).append(row["accuracy"])
+        by_config.setdefault(row["config"], []).append(row["accuracy"][str(EPOCHS)])
     assert all(len(v) == len(SEEDS) for v in by_config.values()), by_config
     return {config: statistics.mean(v) for config, v in by_config.items()}, by_config
 
@@ -42,7 +43,7 @@ def mean_accuracies(out_dir, run):
 def test_mean_accuracy_within_one_point_of_sync(tmp_path, family, optimizer):
     must_match, negative_control = FAMILIES[family]
     configs = ["sync", *must_match, negative_control]
-    run = run_workers(WORKER, 2, ["--out", tmp_path, "--optimizer", optimizer, "--epochs", 20,
+    run = run_workers(WORKER, 2, ["--out", tmp_path, "--optimizer", optimizer, "--epochs", EPOCHS,
                                   "--seeds", *SEEDS, "--configs", *configs], timeout=1800)
     assert_ok(run)
     means, each = mean_accuracies(tmp_path, run)
@@ -53,6 +54,29 @@ def test_mean_accuracy_within_one_point_of_sync(tmp_path, family, optimizer):
     assert means["sync"] - means[negative_control] > BAND, f"the negative control is inside the band:\n{table}"
     for row in run.results(tmp_path, 2)[0]:
         assert row["stats"]["rounds"] == expected_rounds(row["config"], row["stats"]["steps"]), row
+
+
+# The configuration of issue 12 on which the presets lost 4-6 points before momentum
+# correction and staleness-aware momentum: an MLP on digits, SGD 0.05 with momentum 0.9,
+# global batch 64, 12 epochs, 2 seeds. The negative controls turn the corrections off.
+MOMENTUM_CELL = ["--dataset", "digits", "--model", "mlp", "--optimizer", "sgd", "--batch-size", 64, "--epochs", 12]
+MOMENTUM_PRESETS = ["topk-1pct", "efsign", "async-s1", "async-s2"]
+MOMENTUM_CONTROLS = ["efsign:momentum_correction=false", "async-s2:momentum=null"]
+
+
+def test_presets_hold_accuracy_under_momentum_sgd(tmp_path):
+    configs = ["sync", *MOMENTUM_PRESETS, *MOMENTUM_CONTROLS]
+    run = run_workers(WORKER, 2, ["--out", tmp_path, *MOMENTUM_CELL, "--seeds", 0, 1, "--configs", *configs],
+                      timeout=1800)
+    assert_ok(run)
+    rows = run.results(tmp_path, 2)[0]
+    means = {c: statistics.mean(r["accuracy"]["12"] for r in rows if r["config"] == c) for c in configs}
+    table = "\n".join(f"{c:>40}: mean {means[c]:.4f} ({100 * (means[c] - means['sync']):+.2f} pp)" for c in configs)
+    print(f"\nMLP on digits, momentum SGD, 12 epochs:\n{table}")
+    for config in MOMENTUM_PRESETS:
+        assert means["sync"] - means[config] <= BAND, f"{config} too far below sync:\n{table}"
+    for config in MOMENTUM_CONTROLS:
+        assert means["sync"] - means[config] > BAND, f"negative control {config} inside the band:\n{table}"
 
 
 def expected_rounds(config, steps):

@@ -1,4 +1,4 @@
-"""A worker for tests of `tfdp.launcher` (TensorFlow only where Horovod needs it).
+"""A worker for tests of `tfdp.tools.launcher` (TensorFlow only where Horovod needs it).
 
     --case ok        every rank all-reduces its rank with Horovod's Gloo ops and prints the sum
     --case fail      rank 1 exits 3 after rendezvous; rank 0 waits in an all-reduce

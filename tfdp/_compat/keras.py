@@ -132,11 +132,11 @@ def _reducer_to_apply(optimizer):
     return gradient_reducer(optimizer)
 
 
-def _reduce(reducer, grads, variables):
+def _reduce(reducer, grads, variables, optimizer):
     if variables is None:
         raise RuntimeError("tfdp: gradients reached Keras's clipping outside `_backend_apply_gradients`; "
                            "this Keras version calls its hooks in an order tfdp does not know.")
-    return reducer.reduce(list(grads), list(variables))
+    return reducer.reduce(list(grads), list(variables), optimizer)
 
 
 def _reduce_in_clip(method):
@@ -147,7 +147,9 @@ def _reduce_in_clip(method):
         reducer = _reducer_to_apply(self)
         if reducer is None:
             return method(self, grads)
-        grads = _reduce(reducer, grads, getattr(_state, "variables", None))
+        grads = _reduce(reducer, grads, getattr(_state, "variables", None), self)
+        if reducer.replaces_clipping(self):
+            return grads
         with gradients_reduced():
             return method(self, grads)
 
@@ -164,7 +166,7 @@ def _reduce_before_apply(method):
         if reducer is None:
             return method(self, grads, trainable_variables)
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-        grads = _reduce(reducer, grads, variables)
+        grads = _reduce(reducer, grads, variables, self)
         with gradients_reduced():
             return method(self, grads, trainable_variables)
 
@@ -185,7 +187,7 @@ def _update_unless_nonfinite(method, optimizer, grads, trainable_variables, coun
                          "use a larger batch, or skip_nonfinite=False.")
     reducer = _reducer_to_apply(optimizer)
     if reducer is not None:
-        grads = _reduce(reducer, grads, trainable_variables)
+        grads = _reduce(reducer, grads, trainable_variables, optimizer)
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g)))
                             for g in grads if g is not None])
 

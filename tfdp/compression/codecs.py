@@ -117,6 +117,28 @@ def _k(n, ratio):
     return max(1, int(math.ceil(n * ratio)))
 
 
+def _check_warmup(warmup_steps):
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        raise ValueError(f"`warmup_steps` must be an integer >= 0. Received: warmup_steps={warmup_steps!r}")
+    return warmup_steps
+
+
+def density(ratio, warmup_steps, step):
+    """Fraction of entries sent at `step`: DGC's warm-up (Lin et al., https://arxiv.org/abs/1712.01887)
+    starts at 25% and sends 4x fewer every quarter of `warmup_steps`, down to `ratio`."""
+    if not warmup_steps:
+        return ratio
+    progress = tf.minimum(tf.cast(step, tf.float32) / warmup_steps, 1.0)
+    return tf.maximum(tf.constant(ratio, tf.float32), tf.pow(0.25, 1.0 + 4.0 * progress))
+
+
+def _k_at(n, ratio, warmup_steps, step):
+    """`_k` with the warm-up: a Python int once warmed up, an int32 tensor during it."""
+    if not warmup_steps:
+        return _k(n, ratio)
+    return tf.maximum(1, tf.cast(tf.math.ceil(n * density(ratio, warmup_steps, step)), tf.int32))
+
+
 def _scatter_dense(indices, values, shape, dtype):
     """Dense tensor of `shape` with `values` at flat `indices` (repeated indices add up)."""
     dense = tf.scatter_nd(indices[:, None], tf.cast(values, dtype), [shape.num_elements()])
@@ -127,21 +149,24 @@ class TopK(Codec):
     """Send the ``ratio`` fraction of entries with the largest magnitude, with int32 indices.
 
     Biased: use it with error feedback (Stich et al., https://arxiv.org/abs/1809.07599),
-    which sends the dropped remainder later. 1% is a common starting point.
+    which sends the dropped remainder later. 1% is a common starting point; with
+    ``warmup_steps`` the fraction starts at 25% and falls to ``ratio`` over those steps.
     """
 
     name = "topk"
     summable = False
 
-    def __init__(self, ratio=0.01):
+    def __init__(self, ratio=0.01, warmup_steps=0):
         self.ratio = _check_ratio(ratio)
+        self.warmup_steps = _check_warmup(warmup_steps)
 
     def payload_bytes(self, shape):
-        return 8 * _k(_numel(shape), self.ratio)  # float32 value + int32 index
+        return 8 * _k(_numel(shape), self.ratio)  # float32 value + int32 index, once warmed up
 
     def compress(self, x, step):
         flat = tf.reshape(x, [-1])
-        _, indices = tf.math.top_k(tf.abs(flat), k=_k(int(flat.shape[0]), self.ratio), sorted=False)
+        k = _k_at(int(flat.shape[0]), self.ratio, self.warmup_steps, step)
+        _, indices = tf.math.top_k(tf.abs(flat), k=k, sorted=False)
         return [tf.gather(flat, indices), tf.cast(indices, tf.int32)], (x.shape, x.dtype)
 
     def decompress(self, payload, ctx):
@@ -154,29 +179,32 @@ class RandomK(Codec):
     """Send a random ``ratio`` fraction of entries, scaled by 1/ratio so the estimate is unbiased.
 
     Every worker draws the same indices from (`seed`, step), so only values travel and
-    they can be summed (Stich et al., https://arxiv.org/abs/1809.07599).
+    they can be summed (Stich et al., https://arxiv.org/abs/1809.07599). ``warmup_steps``
+    as for `TopK`.
     """
 
     name = "randomk"
     summable = True
 
-    def __init__(self, ratio=0.01, seed=0):
+    def __init__(self, ratio=0.01, seed=0, warmup_steps=0):
         self.ratio = _check_ratio(ratio)
         self.seed = int(seed)
+        self.warmup_steps = _check_warmup(warmup_steps)
 
     def payload_bytes(self, shape):
         return 4 * _k(_numel(shape), self.ratio)  # values only: indices come from the seed
 
-    def _indices(self, n, step):
+    def _indices(self, n, k, step):
         seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(step, tf.int64)])
         scores = tf.random.stateless_uniform([n], seed=seed)
-        return tf.math.top_k(scores, k=_k(n, self.ratio), sorted=False).indices
+        return tf.math.top_k(scores, k=k, sorted=False).indices
 
     def compress(self, x, step):
         flat = tf.reshape(x, [-1])
         n = int(flat.shape[0])
-        indices = self._indices(n, step)
-        scale = tf.cast(n / _k(n, self.ratio), x.dtype)
+        k = _k_at(n, self.ratio, self.warmup_steps, step)
+        indices = self._indices(n, k, step)
+        scale = tf.cast(n / tf.cast(k, tf.float32), x.dtype)
         return [tf.gather(flat, indices) * scale], (x.shape, x.dtype, indices)
 
     def decompress(self, payload, ctx):

@@ -16,5 +16,5 @@ class AllReduceGradients(GradientReducer):
 
     sparse = True
 
-    def _reduce(self, grads, variables):
+    def _reduce(self, grads, variables, opt):
         return self.communicator.allreduce(grads, op=self.op, gradients=True)

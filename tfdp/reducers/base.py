@@ -3,8 +3,10 @@ code that exchanges gradients.
 
 tfdp's Keras hooks call exactly these, on every reducer, never probing for others:
 
-- ``reduce(grads, variables)`` once per optimizer update, where Keras clips gradients;
-  returns the gradients every worker applies;
+- ``reduce(grads, variables, optimizer)`` once per optimizer update, where Keras clips
+  gradients; returns the gradients every worker applies, in the optimizer's terms (a
+  reducer may steer the optimizer's momentum, see `tfdp.reducers.optimizer_view`);
+- ``replaces_clipping(optimizer)``: the reducer clipped locally, Keras must not clip again;
 - ``after_update(variables)`` after the update;
 - ``settle(apply_gradients)`` at the end of `fit` and before a checkpoint is written:
   finish what is in flight (apply stale gradients, average local models);
@@ -22,6 +24,8 @@ global mean only when every rank holds as many rows (not for a last partial batc
 2/3, say). Inside a Keras training step (`rows_of_this_step`), each rank sends
 ``rows * g`` and its row count in the same exchange, and applies
 ``P * sum(rows * g) / sum(rows)``: the gradient of the global mean, for any split.
+Reducers that carry gradients from step to step (error feedback) set ``weights_rows``
+False: a residual kept at one step's scale would be unweighted at another's.
 """
 
 import abc
@@ -30,6 +34,7 @@ import threading
 
 import tensorflow as tf
 
+from tfdp.reducers.optimizer_view import view as optimizer_view
 from tfdp.reducers.state import ReducerState, ReducerStateSaveable
 
 _OPS = ("sum", "average")
@@ -83,6 +88,8 @@ class GradientReducer(abc.ABC):
     description = "gradient exchange"
     #: Workers' optimizer states differ (they step on their own gradients): checkpoints keep every rank's.
     optimizer_state_per_rank = False
+    #: Weight gradients by rows inside Keras training steps (see the module docstring).
+    weights_rows = True
 
     def __init__(self, communicator, op="sum"):
         if op not in _OPS:
@@ -95,8 +102,11 @@ class GradientReducer(abc.ABC):
         """The Keras object that carries `state` into `optimizer`'s checkpoints."""
         return ReducerStateSaveable(self.state, optimizer if self.optimizer_state_per_rank else None)
 
-    def reduce(self, grads, variables):
-        """Return the gradients to apply: one per variable, None where `grads` has None."""
+    def reduce(self, grads, variables, optimizer=None):
+        """Return the gradients to apply: one per variable, None where `grads` has None.
+
+        `optimizer` is the Keras optimizer that will apply them (None in custom code).
+        """
         grads = list(grads)
         variables = list(variables)
         if len(grads) != len(variables):
@@ -108,7 +118,8 @@ class GradientReducer(abc.ABC):
         present = [i for i, g in enumerate(grads) if g is not None]
         slices = [i for i in present if self.sparse and isinstance(grads[i], tf.IndexedSlices)]
         dense = [i for i in present if i not in slices]
-        rows = getattr(_step, "rows", None) if self.communicator.size > 1 else None
+        opt = optimizer_view(optimizer)
+        rows = getattr(_step, "rows", None) if self.communicator.size > 1 and self.weights_rows else None
         weight = (lambda g: g) if rows is None else (lambda g: _scaled(g, tf.cast(rows, tf.float32)))
         dense_grads = [weight(tf.convert_to_tensor(grads[i])) for i in dense]
         dense_vars = [variables[i] for i in dense]
@@ -116,12 +127,14 @@ class GradientReducer(abc.ABC):
             dense_grads.append(tf.reshape(tf.cast(rows, tf.float32), [1]))
             dense_vars.append(ROW_COUNT)
         result = list(grads)
-        reduced = self._reduce(dense_grads, dense_vars) if dense_grads else []
+        reduced = self._reduce(dense_grads, dense_vars, opt) if dense_grads else []
         gathered = self._reduce_slices([weight(grads[i]) for i in slices])
         if rows is not None:
             *reduced, total = reduced
             gathered = [self.unweight(g, total) for g in gathered]
             reduced = [self.unweight(g, total) for g in reduced]
+        if dense:
+            reduced = self._after_reduce(list(reduced), dense_vars[: len(dense)], opt)
         for i, g in zip(dense + slices, list(reduced) + list(gathered)):
             result[i] = g
         return result
@@ -133,8 +146,19 @@ class GradientReducer(abc.ABC):
         return _scaled(grad, factor)
 
     @abc.abstractmethod
-    def _reduce(self, grads, variables):
-        """Reduce dense gradients (all present, one per variable); return them in order."""
+    def _reduce(self, grads, variables, opt):
+        """Reduce dense gradients (all present, one per variable); return them in order.
+
+        `opt` is the `OptimizerView` of the optimizer that will apply them.
+        """
+
+    def _after_reduce(self, grads, variables, opt):
+        """Turn reduced (row-unweighted) dense gradients into what the optimizer should get."""
+        return grads
+
+    def replaces_clipping(self, optimizer):
+        """True when this reducer clipped gradients itself and Keras must not clip them again."""
+        return False
 
     def _reduce_slices(self, slices):
         """All-gather rows and indices of IndexedSlices gradients; the optimizer adds duplicates."""
@@ -150,11 +174,12 @@ class GradientReducer(abc.ABC):
     def after_update(self, variables):
         """Called after every optimizer update with the updated variables."""
 
-    def settle(self, apply_gradients):
+    def settle(self, apply_gradients, optimizer=None):
         """Finish in-flight work so that every rank holds the same, complete model.
 
-        `apply_gradients(grads, variables)` applies already-reduced gradients. Called on
-        every rank at the end of `fit` and before every checkpoint tfdp's callbacks write.
+        `apply_gradients(grads, variables)` applies already-reduced gradients with
+        `optimizer`. Called on every rank at the end of `fit` and before every checkpoint
+        tfdp's callbacks write.
         """
 
     def stats(self):

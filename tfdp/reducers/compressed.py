@@ -5,8 +5,16 @@ import tensorflow as tf
 from tfdp.compression import RandomK, resolve
 from tfdp.compression.error_feedback import ErrorFeedback
 from tfdp.reducers.base import GradientReducer, variable_key
+from tfdp.reducers.optimizer_view import gradient_for_update, next_momentum_buffer
+from tfdp.reducers.optimizer_view import view as optimizer_view
 
 DEFAULT_MIN_COMPRESS_BYTES = 1024
+
+
+_SPARSIFYING = ("topk", "randomk")
+# Codecs whose error grows with momentum unless the momentum is corrected (DGC).
+_MOMENTUM_CORRECTED = ("topk", "randomk", "efsign")
+MOMENTUM_CORRECTION = (True, False, "auto")
 
 
 class CompressedGradients(GradientReducer):
@@ -14,8 +22,17 @@ class CompressedGradients(GradientReducer):
 
     Every rank decompresses the same delivered payloads in the same order, so all ranks
     apply the same gradient and their weights stay identical. Its state (error-feedback
-    residuals, the codec's state, the step counter that drives the warm-up) is saved with
-    the optimizer.
+    residuals, the codec's state, local velocities, the step counter that drives the
+    warm-up) is saved with the optimizer.
+
+    Momentum correction (Lin et al., Deep Gradient Compression, https://arxiv.org/abs/1712.01887):
+    under SGD with momentum, each worker accumulates its velocity (not its raw gradient)
+    into the residual, sends the compressed accumulation, zeroes the velocity where it sent
+    (factor masking, for sparsifiers), and the weights move by ``-lr`` times the summed
+    payloads; the optimizer's own momentum is steered to apply exactly that (Nesterov too).
+    When the optimizer clips, each worker clips its own gradient first, at the threshold
+    divided by sqrt(workers), and Keras does not clip again. Adam and plain SGD are left as
+    they are (error feedback on the raw gradient).
 
     Args:
         communicator: a `tfdp.comm.Communicator`.
@@ -25,31 +42,91 @@ class CompressedGradients(GradientReducer):
         min_compress_bytes: gradients smaller than this (as float32) go dense.
         op: ``"sum"`` (losses already divided by the number of workers, as under a
             strategy) or ``"average"``.
+        momentum_correction: ``"auto"`` (for top-k, random-k and EF-sign under momentum
+            SGD), True or False.
 
     Example:
         >>> reducer = CompressedGradients(communicator, TopK(0.01), error_feedback=True)
-        >>> grads = reducer.reduce(grads, variables)
+        >>> grads = reducer.reduce(grads, variables, optimizer)
     """
 
     def __init__(self, communicator, codec, error_feedback=True, warmup_steps=0,
-                 min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, op="sum"):
+                 min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, op="sum", momentum_correction="auto"):
         super().__init__(communicator, op)
+        if momentum_correction not in MOMENTUM_CORRECTION:
+            raise ValueError(f"`momentum_correction` must be one of {MOMENTUM_CORRECTION}. "
+                             f"Received: momentum_correction={momentum_correction!r}")
         self.codec = codec
         self.memory = ErrorFeedback(self.state) if error_feedback else None
+        # A residual kept from one step to the next must not change scale with a step's rows.
+        self.weights_rows = self.memory is None
         self.warmup_steps = warmup_steps
         self.min_compress_bytes = min_compress_bytes
+        self.momentum_correction = momentum_correction
         self._step = self.state.variable("compression_step", lambda: tf.constant(0, tf.int64))
+        self._corrected = None  # (positions, keys, compressed-now flag) of the step being traced
 
-    def _compressed(self, grads, keys, step):
+    def _corrects(self, opt):
+        if opt.momentum == 0 or self.momentum_correction is False:
+            return False
+        return self.momentum_correction is True or self.codec.name in _MOMENTUM_CORRECTED
+
+    def replaces_clipping(self, optimizer):
+        opt = optimizer_view(optimizer)
+        return self._corrects(opt) and opt.clips
+
+    def _clip_locally(self, grads, opt):
+        """DGC's local clipping: each worker's own gradient, at the threshold / sqrt(workers)."""
+        size = self.communicator.size
+        # Under a strategy (op "sum") each gradient is the local mean's divided by `size`.
+        scale = (1.0 / size if self.op == "sum" else 1.0) / size ** 0.5
+        if opt.global_clipnorm:
+            return list(tf.clip_by_global_norm(grads, opt.global_clipnorm * scale)[0])
+        return [tf.clip_by_norm(g, opt.clipnorm * scale) for g in grads]
+
+    def _velocity(self, key, like):
+        return self.state.variable(f"{key}/velocity", lambda: tf.zeros(like.shape, like.dtype), per_rank=True)
+
+    def _accumulate(self, key, variable, grad, opt, step):
+        """DGC's momentum correction: this worker's velocity, what goes into its residual."""
+        velocity = self._velocity(key, grad)
+        mu = tf.cast(opt.momentum, grad.dtype)
+        if self.warmup_steps:
+            # Leaving dense warm-up: each worker starts from its share of the optimizer's momentum.
+            share = -self._optimizer_momentum(key, variable) / (tf.cast(opt.learning_rate(), grad.dtype)
+                                                                * self._shares())
+            velocity.assign(tf.where(step == self.warmup_steps, share, velocity))
+        if opt.nesterov:
+            updated = velocity.assign(mu * (velocity + grad))
+            return updated + grad
+        return velocity.assign(mu * velocity + grad)
+
+    def _shares(self):
+        return float(self.communicator.size) if self.op == "sum" else 1.0
+
+    def _optimizer_momentum(self, key, variable):
+        """A copy of the optimizer's momentum buffer (the same on every rank)."""
+        return self.state.variable(f"{key}/optimizer_momentum", lambda: tf.zeros(variable.shape, variable.dtype))
+
+    def _compressed(self, grads, keys, variables, step, opt, correct):
+        if correct:
+            grads = [self._accumulate(k, v, g, opt, step) for k, v, g in zip(keys, variables, grads)]
         if self.memory is not None:
             grads = [self.memory.compensate(k, g) for k, g in zip(keys, grads)]
         summed, sent = self.codec.exchange(grads, keys, step, self.communicator, self.state)
         if self.memory is not None:
             for k, g, s in zip(keys, grads, sent):
                 self.memory.update(k, g, s)
+            if correct and self.codec.name in _SPARSIFYING:
+                for k, s in zip(keys, sent):  # momentum factor masking
+                    velocity = self._velocity(k, s)
+                    velocity.assign(tf.where(tf.not_equal(s, 0), tf.zeros_like(velocity), velocity))
         return summed
 
-    def _reduce(self, grads, variables):
+    def _reduce(self, grads, variables, opt):
+        correct = self._corrects(opt)
+        if correct and opt.clips:
+            grads = self._clip_locally(grads, opt)
         large = [i for i, g in enumerate(grads) if g.shape.num_elements() * 4 >= self.min_compress_bytes]
         small = [i for i in range(len(grads)) if i not in large]
         step = tf.convert_to_tensor(self._step)
@@ -57,7 +134,7 @@ class CompressedGradients(GradientReducer):
         chosen = [grads[i] for i in large]
 
         def compressed():
-            return self._compressed(chosen, keys, step)
+            return self._compressed(chosen, keys, [variables[i] for i in large], step, opt, correct)
 
         def dense():
             return self.communicator.allreduce(chosen, op="sum", gradients=True)
@@ -70,14 +147,28 @@ class CompressedGradients(GradientReducer):
             summed_large = compressed()
         summed_small = self.communicator.allreduce([grads[i] for i in small], op="sum", gradients=True)
         self._step.assign_add(1)
+        self._corrected = (large, keys, step >= self.warmup_steps) if correct else None
 
         result = list(grads)
         for i, g in zip(large + small, list(summed_large) + list(summed_small)):
             result[i] = g / self.communicator.size if self.op == "average" else g
         return result
 
+    def _after_reduce(self, grads, variables, opt):
+        if self._corrected is None:
+            return grads
+        positions, keys, compressed_now = self._corrected
+        for i, key in zip(positions, keys):
+            delta = grads[i]
+            momentum = self._optimizer_momentum(key, variables[i])
+            # Compressed steps: the weights move by -lr * delta. Dense warm-up steps: as given.
+            grads[i] = tf.where(compressed_now, gradient_for_update(delta, momentum, opt), delta)
+            momentum.assign(next_momentum_buffer(momentum, grads[i], opt))
+        return grads
 
-def compressed_reducer_factory(compressor, error_feedback, warmup_steps, min_compress_bytes, op):
+
+def compressed_reducer_factory(compressor, error_feedback, warmup_steps, min_compress_bytes, op,
+                               momentum_correction="auto"):
     """Validate the compression options; return ``communicator -> CompressedGradients``.
 
     Shared by `CompressedStrategy` and `tfdp.DistributedOptimizer(compression=...)`.
@@ -93,6 +184,9 @@ def compressed_reducer_factory(compressor, error_feedback, warmup_steps, min_com
     for name, value in (("warmup_steps", warmup_steps), ("min_compress_bytes", min_compress_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"`{name}` must be an integer >= 0. Received: {name}={value!r}")
+    if momentum_correction not in MOMENTUM_CORRECTION:
+        raise ValueError(f"`momentum_correction` must be one of {MOMENTUM_CORRECTION}. "
+                         f"Received: momentum_correction={momentum_correction!r}")
     return lambda communicator: CompressedGradients(
         communicator, codec, error_feedback=error_feedback, warmup_steps=warmup_steps,
-        min_compress_bytes=min_compress_bytes, op=op)
+        min_compress_bytes=min_compress_bytes, op=op, momentum_correction=momentum_correction)

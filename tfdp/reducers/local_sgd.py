@@ -50,7 +50,7 @@ class LocalSGD(GradientReducer):
     def stats(self):
         return {"max_staleness": int(self._max_staleness.numpy())}
 
-    def _reduce(self, grads, variables):
+    def _reduce(self, grads, variables, opt):
         size = self.communicator.size
 
         def synchronous():
@@ -116,7 +116,7 @@ class LocalSGD(GradientReducer):
             # Synchronous steps keep the anchor at the shared weights.
             tf.cond(local_phase, lambda: tf.constant(False), self._reset_anchors)
 
-    def settle(self, apply_gradients=None):
+    def settle(self, apply_gradients=None, optimizer=None):
         """Average the models if any local step happened since the last average."""
         if self.communicator.size > 1 and self._variables is not None and int(self._since_sync.numpy()) > 0:
             self._average()

@@ -41,6 +41,9 @@ class AsyncStrategy(HorovodStrategy):
         warmup_steps: local SGD only: synchronous steps before local steps begin.
         damping: staleness mode only: None, or ``"lr"`` to scale each applied gradient
             by 1 / (1 + s), the staleness-aware learning rate of Zhang et al. 2016.
+        momentum: staleness mode, SGD with momentum only: None (the optimizer's own),
+            ``"auto"`` (lowered for the momentum staleness adds:
+            `tfdp.reducers.stale.staleness_momentum`) or a number in [0, 1).
         outer_learning_rate, outer_momentum: local SGD's outer step.
         global_step_logs: as in `tfdp.MirroredStrategy`, but False by default: a
             per-step metric all-reduce would hold every worker in lockstep.
@@ -57,7 +60,7 @@ class AsyncStrategy(HorovodStrategy):
 
     def __init__(self, staleness=None, sync_every=None, warmup_steps=0, damping=None,
                  outer_learning_rate=1.0, outer_momentum=0.0, global_step_logs=False,
-                 exchange_delay_seconds=0.0):
+                 exchange_delay_seconds=0.0, momentum=None):
         if staleness is not None and sync_every is not None:
             raise ValueError("Pass either `staleness` (bounded staleness) or `sync_every` (local SGD), not both.")
         if staleness is None and sync_every is None:
@@ -71,6 +74,11 @@ class AsyncStrategy(HorovodStrategy):
             raise ValueError("`warmup_steps` applies to local SGD (`sync_every`) only.")
         if sync_every is not None and damping is not None:
             raise ValueError("`damping` applies to bounded staleness (`staleness`) only.")
+        if momentum is not None and (sync_every is not None or not (
+                momentum == "auto" or (isinstance(momentum, (int, float)) and not isinstance(momentum, bool)
+                                       and 0 <= momentum < 1))):
+            raise ValueError("`momentum` applies to bounded staleness and must be None, 'auto' or a number in "
+                             f"[0, 1). Received: momentum={momentum!r}")
         if not isinstance(outer_learning_rate, (int, float)) or outer_learning_rate <= 0:
             raise ValueError(f"`outer_learning_rate` must be > 0. Received: {outer_learning_rate!r}")
         if not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
@@ -83,6 +91,6 @@ class AsyncStrategy(HorovodStrategy):
         def make_reducer(communicator):
             if sync_every is not None:
                 return LocalSGD(communicator, sync_every, warmup_steps, outer_learning_rate, outer_momentum)
-            return StaleGradients(communicator, staleness, damping, exchange_delay_seconds)
+            return StaleGradients(communicator, staleness, damping, exchange_delay_seconds, momentum)
 
         super().__init__(make_reducer, global_step_logs=global_step_logs)

@@ -91,7 +91,7 @@ class HorovodStrategy(tf.distribute.Strategy):
                 self.run(optimizer.apply, args=(grads, variables))
 
         reducer = self.gradient_reducer
-        reducer.settle(apply_gradients)
+        reducer.settle(apply_gradients, optimizer)
         if reducer.optimizer_state_per_rank and optimizer.built:
             reducer.state.capture(optimizer)
         reducer.state.snapshot()

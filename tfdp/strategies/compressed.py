@@ -24,6 +24,10 @@ class CompressedStrategy(HorovodStrategy):
         warmup_steps: first steps exchanged as dense float32.
         min_compress_bytes: gradients smaller than this as float32 go dense (biases).
         global_step_logs: as in `tfdp.MirroredStrategy`.
+        momentum_correction: under SGD with momentum, accumulate each worker's velocity
+            rather than its gradient in the residual and steer the optimizer's momentum
+            (Deep Gradient Compression); ``"auto"``: for top-k, random-k and EF-sign. See
+            `tfdp.reducers.CompressedGradients`.
 
     Example:
         >>> strategy = tfdp.CompressedStrategy({"name": "topk", "ratio": 0.01})
@@ -33,9 +37,10 @@ class CompressedStrategy(HorovodStrategy):
     """
 
     def __init__(self, compressor="fp16", error_feedback=True, warmup_steps=0,
-                 min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, global_step_logs=True):
+                 min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, global_step_logs=True, momentum_correction="auto"):
         make_reducer = compressed_reducer_factory(
-            compressor, error_feedback, warmup_steps, min_compress_bytes, op="sum")
+            compressor, error_feedback, warmup_steps, min_compress_bytes, op="sum",
+            momentum_correction=momentum_correction)
         super().__init__(make_reducer, global_step_logs=global_step_logs)
 
     @property

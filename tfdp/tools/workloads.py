@@ -1,7 +1,9 @@
 """The models and data tfdp's example, `tfdp bench`, benchmarks and tests train, in one place.
 
 - digits: scikit-learn's 8x8 digit images (ships with scikit-learn, works offline), a
-  stratified 80/20 split, and a small conv net;
+  stratified 80/20 split, and a small conv net (or an MLP on the flattened pixels);
+- breast_cancer: scikit-learn's 569 tumours with 30 features each (standardised on the
+  training split), 2 classes, for an MLP;
 - mlp: a 1024-h-h-10 MLP sized to a parameter count (communication-bound benchmarks);
 - cnn: a 32x32x3 conv net of 315,722 parameters.
 
@@ -29,6 +31,36 @@ def load_digits_split(seed=0, test_size=0.2):
     y = digits.target.astype("int32")
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
     return x_train, y_train, x_test, y_test
+
+
+def load_breast_cancer_split(seed=0, test_size=0.2):
+    """Return (x_train, y_train, x_test, y_test): 30 features standardised on the training rows."""
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.model_selection import train_test_split
+
+    data = load_breast_cancer()
+    x_train, x_test, y_train, y_test = train_test_split(
+        data.data.astype("float32"), data.target.astype("int32"), test_size=test_size, random_state=seed,
+        stratify=data.target)
+    mean, std = x_train.mean(axis=0), x_train.std(axis=0) + 1e-6
+    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
+
+
+DATASETS = {"digits": load_digits_split, "breast_cancer": load_breast_cancer_split}
+
+
+def build_classifier_mlp(input_shape, classes, optimizer, width=64):
+    """A 2-hidden-layer MLP classifier (inputs flattened), compiled with `optimizer`."""
+    model = keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Flatten(),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(classes),
+    ])
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
 
 
 def build_digits_model(optimizer=None, learning_rate=2e-3):

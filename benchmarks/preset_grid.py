@@ -1,0 +1,105 @@
+"""Every shipped preset against sync on a grid of ordinary configurations, 2 workers, 3 seeds.
+
+    .venv/bin/python benchmarks/preset_grid.py                    # the whole grid (about 1-2 hours)
+    .venv/bin/python benchmarks/preset_grid.py --cells digits-mlp-sgd-64 --presets topk-1pct async-s1
+
+Cells: (dataset, model) in {(digits, conv), (digits, mlp), (breast_cancer, mlp)} x optimizer in
+{momentum SGD (0.05, 0.9), Adam (2e-3)} x global batch in {32, 128}, named like
+``digits-conv-sgd-32``. Each cell is one horovodrun job that trains sync and every preset for
+every seed, 20 epochs, and reads the test accuracy after 12 epochs (the short budget) and 20
+(the long budget) of the same runs. A cell name with another batch (``digits-mlp-sgd-64``) or
+``--epochs`` runs that configuration too.
+
+Writes ``benchmarks/results/preset_grid.json`` (every run) and ``preset_grid.md``: per cell,
+budget and preset, the mean test accuracy minus sync in percentage points with its standard
+error over seeds (of the per-seed differences), the gradient bytes per step one worker sent,
+and the exchanges per step.
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import _launch
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_preset_worker.py"
+PRESETS = ["fp16", "bf16", "qsgd", "topk-1pct", "efsign", "powersgd-r4", "async-s1", "async-s2", "local-sgd-h16"]
+MODELS = [("digits", "conv"), ("digits", "mlp"), ("breast_cancer", "mlp")]
+CELLS = [f"{d}-{m}-{o}-{b}" for (d, m), o, b in itertools.product(MODELS, ["sgd", "adam"], [32, 128])]
+BAND_PP = 1.0
+
+
+def parse_cell(name):
+    dataset, model, optimizer, batch = name.rsplit("-", 3)
+    return dataset, model, optimizer, int(batch)
+
+
+def run_cell(cell, presets, seeds, epochs, report_epochs):
+    dataset, model, optimizer, batch = parse_cell(cell)
+    with tempfile.TemporaryDirectory() as out:
+        ranks = _launch.run_job(WORKER, out, ["--dataset", dataset, "--model", model, "--optimizer", optimizer,
+                                              "--batch-size", batch, "--epochs", epochs, "--report-epochs",
+                                              *report_epochs, "--seeds", *seeds, "--configs", "sync", *presets],
+                                timeout=7200)
+    return [dict(run, cell=cell) for run in ranks[0]]
+
+
+def summarise(runs, report_epochs):
+    """Rows (cell, epochs, preset, mean pp, standard error pp, bytes/step, rounds/step)."""
+    rows = []
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        in_cell = [r for r in runs if r["cell"] == cell]
+        sync = {r["seed"]: r for r in in_cell if r["config"] == "sync"}
+        for epochs, preset in itertools.product(report_epochs, dict.fromkeys(r["config"] for r in in_cell)):
+            runs_of = [r for r in in_cell if r["config"] == preset]
+            diffs = [100 * (r["accuracy"][str(epochs)] - sync[r["seed"]]["accuracy"][str(epochs)]) for r in runs_of]
+            se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+            stats = runs_of[0]["stats"]
+            rows.append({"cell": cell, "epochs": epochs, "preset": preset, "diff_pp": statistics.mean(diffs),
+                         "se_pp": se, "accuracy": statistics.mean(r["accuracy"][str(epochs)] for r in runs_of),
+                         "bytes_per_step": statistics.mean(r["gradient_bytes_per_step"] for r in runs_of),
+                         "dense_bytes_per_step": runs_of[0]["dense_bytes_per_step"],
+                         "rounds_per_step": stats["rounds"] / max(stats["steps"], 1), "seeds": len(diffs)})
+    return rows
+
+
+def markdown(rows):
+    lines = ["| cell | epochs | preset | accuracy | vs sync (pp) | ± s.e. | gradient kB/step | fewer bytes | "
+             "exchanges/step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        flag = " **" if r["preset"] != "sync" and r["diff_pp"] < -BAND_PP else ""
+        lines.append(f"| {r['cell']} | {r['epochs']} | {r['preset']} | {r['accuracy']:.4f} | "
+                     f"{flag}{r['diff_pp']:+.2f}{flag.strip() and '**'} | {r['se_pp']:.2f} | "
+                     f"{r['bytes_per_step'] / 1e3:.1f} | {r['dense_bytes_per_step'] / r['bytes_per_step']:.1f}x | "
+                     f"{r['rounds_per_step']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", nargs="+", default=CELLS)
+    parser.add_argument("--presets", nargs="+", default=PRESETS, help="presets or variants (NAME:key=value,...)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--report-epochs", nargs="+", type=int, default=[12, 20])
+    parser.add_argument("--out", default=str(HERE / "results" / "preset_grid"))
+    args = parser.parse_args()
+    runs = []
+    for cell in args.cells:
+        runs += run_cell(cell, args.presets, args.seeds, args.epochs, args.report_epochs)
+        rows = summarise(runs, args.report_epochs)
+        Path(f"{args.out}.json").write_text(json.dumps({"args": vars(args), "runs": runs, "rows": rows}, indent=1))
+        Path(f"{args.out}.md").write_text(markdown(rows))
+        print(markdown([r for r in rows if r["cell"] == cell]), flush=True)
+    failing = [r for r in rows if r["preset"] != "sync" and r["diff_pp"] < -BAND_PP]
+    print(f"{len(failing)} (cell, budget, preset) more than {BAND_PP} pp below sync:")
+    for r in failing:
+        print(f"  {r['cell']} {r['epochs']} epochs {r['preset']}: {r['diff_pp']:+.2f} ± {r['se_pp']:.2f} pp")
+
+
+if __name__ == "__main__":
+    main()
