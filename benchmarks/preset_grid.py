@@ -87,14 +87,17 @@ def main():
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--report-epochs", nargs="+", type=int, default=[12, 20])
     parser.add_argument("--out", default=str(HERE / "results" / "preset_grid"))
+    parser.add_argument("--resume", action="store_true", help="keep the cells already in --out's json, run the rest")
     args = parser.parse_args()
-    runs = []
-    for cell in args.cells:
+    runs = json.loads(Path(f"{args.out}.json").read_text())["runs"] if args.resume else []
+    done = {r["cell"] for r in runs}
+    for cell in [c for c in args.cells if c not in done]:
         runs += run_cell(cell, args.presets, args.seeds, args.epochs, args.report_epochs)
         rows = summarise(runs, args.report_epochs)
         Path(f"{args.out}.json").write_text(json.dumps({"args": vars(args), "runs": runs, "rows": rows}, indent=1))
         Path(f"{args.out}.md").write_text(markdown(rows))
         print(markdown([r for r in rows if r["cell"] == cell]), flush=True)
+    rows = summarise(runs, args.report_epochs)
     failing = [r for r in rows if r["preset"] != "sync" and r["diff_pp"] < -BAND_PP]
     print(f"{len(failing)} (cell, budget, preset) more than {BAND_PP} pp below sync:")
     for r in failing:

@@ -72,6 +72,16 @@ def run_script(script, nworkers, args=(), timeout=240, env=None):
     return run_plain(script, args, timeout, env)
 
 
+def readme_command(section, marker):
+    """The first `horovodrun` line after `marker` in the README section titled `section`."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    part = text[text.index(f"## {section}"):]
+    part = part[part.index(marker):]
+    return re.search(r"^(horovodrun .*)$", part, re.M).group(1).strip()
+
+
 def assert_ok(run):
     assert run.returncode == 0, run.output[-6000:]
 

@@ -8,7 +8,7 @@ from tfdp.tools import advisor, cli
 
 MATRIX = [(1000, 1000)]  # 4,000,000 bytes as float32
 B = 1e6  # bytes/s
-R = 4  # each rank's row count, one float32 all-reduced with the gradients
+R = 4  # each rank's row count, one float32 all-reduced with the gradients (not under error feedback)
 
 
 def test_ring_bytes_per_worker():
@@ -24,10 +24,11 @@ def test_ring_bytes_per_worker():
     "preset, seconds",
     [
         ("sync", 0.5 + 4.0 + R / B),                               # C + M
-        ("fp16", 0.5 + 2.0 + R / B),                               # 2 bytes per entry
-        ("topk-1pct", 0.5 + (8 * 10_000 + R) / B),                 # value + index, all-gathered once (P=2)
-        ("efsign", 0.5 + (125_000 + 4 * math.ceil(1e6 / 256) + R) / B),
-        ("powersgd-r4", 0.5 + ((1000 + 1000) * 4 * 4 + R) / B),
+        ("fp16", 0.5 + 2.0),                                       # 2 bytes per entry
+        ("qsgd", 0.5 + (4 + 1e6 + R) / B),                         # norm + int8 levels, no error feedback
+        ("topk-1pct", 0.5 + (8 * 10_000) / B),                     # value + index, all-gathered once (P=2)
+        ("efsign", 0.5 + (125_000 + 4 * math.ceil(1e6 / 256)) / B),
+        ("powersgd-r4", 0.5 + ((1000 + 1000) * 4 * 4) / B),
         ("async-s1", max(0.5, 4.0 + R / B)),                       # overlap
         ("local-sgd-h16", 0.5 + (4.0 + R / B) / 16),               # one exchange per 16 steps
     ],
@@ -41,12 +42,16 @@ def test_latency_counts_each_collective():
     one = advisor.predict("sync", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
     two = advisor.predict("powersgd-r4", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
     assert one == pytest.approx(4.0 + R / B + 0.01)
-    assert two == pytest.approx((32_000 + R) / B + 0.03)  # P, Q, then the small tensors and row count
+    assert two == pytest.approx(32_000 / B + 0.03)  # P, Q, then the small tensors
 
 
 def test_small_tensors_go_dense_as_in_the_strategy():
     payloads, _ = advisor.exchange({"compressor": {"name": "topk", "ratio": 0.01}}, "compressed",
                                    [(1000, 1000), (100,)])
+    assert payloads == [(80_000, "allgather"), (400, "allreduce")]
+    # Without error feedback each rank's row count rides with the small tensors.
+    payloads, _ = advisor.exchange({"compressor": {"name": "topk", "ratio": 0.01}, "error_feedback": False},
+                                   "compressed", [(1000, 1000), (100,)])
     assert payloads == [(80_000, "allgather"), (400 + R, "allreduce")]
 
 

@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_public_api_is_pinned():
     assert sorted(tfdp.__all__) == [
         "AsyncStrategy", "CompressedStrategy", "DistributedOptimizer", "MirroredStrategy", "callbacks", "compression",
-        "init", "is_chief", "local_rank", "preset_names", "rank", "restore_stdout", "set_worker_stdout",
-        "size", "strategy", "worker_stdout",
+        "init", "is_chief", "local_rank", "preset_names", "rank", "replica_device", "restore_stdout",
+        "set_worker_stdout", "size", "strategy", "worker_stdout",
     ]
     for name in tfdp.__all__:
         assert hasattr(tfdp, name)
@@ -209,3 +209,44 @@ def test_variants_are_presets_with_explicit_overrides(monkeypatch):
         presets.resolve_variant("nope:x=1")
     with pytest.raises(ValueError, match=r"does not take"):
         tfdp.strategy("sync:speed=11")
+
+
+def test_one_gpu_per_local_rank_and_cpu_without_gpus():
+    from tfdp.runtime import choose_device
+
+    assert [choose_device(4, r, 4) for r in range(4)] == [(r, "/gpu:0") for r in range(4)]
+    assert choose_device(0, 0, 2) == (None, "/cpu:0")
+    assert choose_device(4, 1, 4, setting="cpu") == (None, "/cpu:0")  # TFDP_DEVICES=cpu
+    with pytest.raises(ValueError, match="runs 4 workers but has 2 GPUs: local rank 3 has none"):
+        choose_device(2, 3, 4)
+    with pytest.raises(ValueError, match="TFDP_DEVICES=gpu, but TensorFlow sees no GPU"):
+        choose_device(0, 0, 1, setting="gpu")
+    with pytest.raises(ValueError, match=r"TFDP_DEVICES must be one of \('auto', 'cpu', 'gpu'\)"):
+        choose_device(1, 0, 1, setting="tpu")
+    assert tfdp.replica_device() == "/cpu:0"  # this machine has no GPU
+
+
+def test_loopback_host_name_in_a_multi_host_job_is_named_before_gloo_fails():
+    from tfdp._compat.horovod import check_host_address, loopback_host_problem
+
+    loopback = {"vm": "127.0.1.1", "h1": "10.0.0.1"}
+    lookups = {"resolve": lambda name: loopback[name], "hostname": lambda: "vm"}
+    with pytest.raises(RuntimeError, match=r"rank 1: the job spans 2 hosts, but this host's name 'vm' resolves to "
+                                           r"127\.0\.1\.1, a loopback address.*/etc/hosts.*HOROVOD_HOSTNAME.*"
+                                           r"--network-interface"):
+        check_host_address({"HOROVOD_CROSS_SIZE": "2", "HOROVOD_RANK": "1"}, **lookups)
+    # One host: loopback is fine. A host name with a network address: fine.
+    assert loopback_host_problem({"HOROVOD_CROSS_SIZE": "1"}, **lookups) is None
+    assert loopback_host_problem({"HOROVOD_CROSS_SIZE": "2"}, resolve=lambda n: loopback[n],
+                                 hostname=lambda: "h1") is None
+
+
+def test_tfdp_run_refuses_a_multi_host_job_from_a_loopback_host_name(capsys, monkeypatch):
+    import socket
+
+    from tfdp.tools import cli
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "vm")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: {"vm": "127.0.1.1"}[name])
+    assert cli.main(["run", "-np", "2", "-H", "vm:1,other:1", "x.py"]) == 2
+    assert "this host's name 'vm' resolves to 127.0.1.1, a loopback address" in capsys.readouterr().err

@@ -46,3 +46,18 @@ def test_progress_bar_only_on_rank0_even_with_worker_stdout_on():
     progress_lines = [line for line in run.output.splitlines() if "/step" in line]
     assert progress_lines and all(line.startswith("[0]<stdout>") for line in progress_lines), progress_lines
     assert len(accuracies(run.output)) == 2  # both ranks print their own line: stdout really is on
+
+
+@pytest.mark.full
+def test_every_shipped_preset_trains_the_example_within_a_point_of_sync():
+    # Issue 12's acceptance: `tfdp run -np 2 --strategy P examples/digits.py`, as a user types it.
+    import tfdp
+
+    results = {}
+    for preset in tfdp.preset_names():
+        run = tfdp_run("-np", 2, "--strategy", preset, EXAMPLE, env={"TFDP_VERBOSE_WORKERS": "0"})
+        assert run.returncode == 0, (preset, run.output[-3000:])
+        [results[preset]] = accuracies(run.output)
+    print("\n" + "\n".join(f"{p}: {a:.4f} ({100 * (a - results['sync']):+.2f} pp)" for p, a in results.items()))
+    behind = {p: a for p, a in results.items() if a < results["sync"] - 0.01}
+    assert not behind, (behind, results["sync"])

@@ -77,7 +77,8 @@ def test_two_hosts_allreduce_across_the_bridge():
     result = launch(WORKER + ["--case", "ok"], 2, rate_mbit=1000, timeout=120, env=ENV, sink=None, tag=90001)
     assert result.returncode == 0, result.output[-3000:]
     assert result.output.count("<stdout>:sum 1 size 2") == 2
-    assert "iface tfdpv90001n0" in result.output and "iface tfdpv90001n1" in result.output
+    # Each worker is on its own host, whose link is eth0 as on a real machine.
+    assert result.output.count("iface eth0") == 2
     # The all-reduce crossed the emulated links: each host sent and received something.
     assert all(b.sent > 0 and b.received > 0 for b in result.link_bytes)
     assert _objects(90001) == []
@@ -135,3 +136,13 @@ def test_leftovers_of_a_killed_launcher_are_removed():
     removed = network.remove_leftovers()
     assert "tfdp90005-0" in removed and "tfdpbr90005" in removed
     assert _objects(90005) == []
+
+
+@needs_root
+def test_a_second_network_with_the_same_tag_is_refused_and_the_first_kept():
+    with network.EmulatedHosts(1, tag=90006):
+        before = _objects(90006)
+        with pytest.raises(RuntimeError, match="tfdpbr90006 already exists.*remove_leftovers"):
+            network.EmulatedHosts(1, tag=90006).__enter__()
+        assert _objects(90006) == before  # the running one is untouched
+    assert _objects(90006) == []

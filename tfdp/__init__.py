@@ -17,7 +17,7 @@ benchmarks, advisor).
 from tfdp import compression
 from tfdp.keras import DistributedOptimizer, callbacks
 from tfdp.presets import preset_names, strategy
-from tfdp.runtime import init, is_chief, local_rank, rank, size
+from tfdp.runtime import init, is_chief, local_rank, rank, replica_device, size
 from tfdp.strategies import AsyncStrategy, CompressedStrategy, MirroredStrategy
 from tfdp.strategies.output import restore_stdout, set_worker_stdout, worker_stdout
 
@@ -35,6 +35,7 @@ __all__ = [
     "local_rank",
     "preset_names",
     "rank",
+    "replica_device",
     "restore_stdout",
     "set_worker_stdout",
     "size",

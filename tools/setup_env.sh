@@ -23,6 +23,23 @@ VPY="$VENV/bin/python"
 log "installing pinned dependencies"
 "$VPY" -m pip install --quiet -r "$ROOT/requirements.txt"
 
+# GPUs: Horovod's NCCL operations need a CUDA toolkit (nvcc) and NCCL's headers.
+nccl_home() {
+  local d
+  for d in "${NCCL_HOME:-}" /usr /usr/local/cuda /usr/local/nccl; do
+    if [ -n "$d" ] && [ -f "$d/include/nccl.h" ]; then echo "$d"; return 0; fi
+  done
+  return 1
+}
+BUILD=cpu
+if command -v nvcc >/dev/null && NCCL_DIR="$(nccl_home)"; then
+  BUILD=nccl
+  log "CUDA toolkit and NCCL ($NCCL_DIR) found: Horovod with NCCL, and TensorFlow with CUDA"
+  "$VPY" -m pip install --quiet "tensorflow[and-cuda]==$("$VPY" -c 'import tensorflow as tf; print(tf.__version__)')"
+else
+  log "no CUDA toolkit with NCCL here: Horovod for CPUs (Gloo)"
+fi
+
 horovod_ok() {
   "$VPY" - <<'PY' 2>/dev/null
 import horovod.tensorflow as hvd
@@ -49,6 +66,7 @@ build_horovod_wheel() {
     cd "$src"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
            HOROVOD_WITH_GLOO=1 MAKEFLAGS="-j$(nproc)"
+    if [ "$BUILD" = nccl ]; then export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME="$NCCL_DIR"; fi
     if [ "$with_mpi" = 1 ]; then export HOROVOD_WITH_MPI=1; else export HOROVOD_WITHOUT_MPI=1; fi
     PATH="$VENV/bin:$PATH" "$VPY" -m pip wheel --no-build-isolation --no-deps -w "$CACHE/wheels" . >"$work/build.log" 2>&1 \
       || { tail -40 "$work/build.log" >&2; log "horovod build failed; full log in $work/build.log"; exit 1; }
@@ -63,6 +81,7 @@ else
   TF_VERSION="$("$VPY" -c 'import tensorflow as tf; print(tf.__version__)')"
   # The wheel is only valid for the TensorFlow it was compiled against.
   STAMP="$CACHE/wheels/horovod-$HOROVOD_VERSION.tf-$TF_VERSION"
+  if [ "$BUILD" = nccl ]; then STAMP="$STAMP-nccl"; fi
   if [ ! -f "$STAMP" ] || ! ls "$CACHE"/wheels/horovod-"$HOROVOD_VERSION"-*.whl >/dev/null 2>&1; then
     rm -f "$CACHE"/wheels/horovod-"$HOROVOD_VERSION"-*.whl
     build_horovod_wheel

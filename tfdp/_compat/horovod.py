@@ -4,7 +4,9 @@ Also every use tfdp makes of Horovod's non-public modules (its elastic state and
 loop, its launcher's rendezvous server), each naming the Horovod file it comes from.
 """
 
+import ipaddress
 import os
+import socket
 
 INSTALL_HINT = (
     "tfdp needs Horovod 0.28.1 built with TensorFlow support. "
@@ -22,15 +24,54 @@ _DEFAULTS = {
 _hvd = None
 
 
+def loopback_host_problem(env=None, resolve=None, hostname=None):
+    """What is wrong when a job spanning hosts runs here under a name that resolves to loopback, or None.
+
+    horovodrun's Gloo workers learn the number of hosts from ``HOROVOD_CROSS_SIZE``. Horovod
+    0.28.1 builds its Gloo device from the address this host's name resolves to (and
+    ``HOROVOD_HOSTNAME``'s); if that is a loopback address, the other hosts are told to
+    connect to 127.x and `hvd.init()` fails with "gloo::IoException ... Connection refused".
+    Debian maps the host name to 127.0.1.1 by default.
+    """
+    env = os.environ if env is None else env
+    resolve, hostname = resolve or socket.gethostbyname, hostname or socket.gethostname
+    hosts = int(env.get("HOROVOD_CROSS_SIZE", "1") or 1)
+    if hosts < 2:
+        return None
+    for name in dict.fromkeys(n for n in (hostname(), env.get("HOROVOD_HOSTNAME")) if n):
+        try:
+            address = resolve(name)
+        except OSError:
+            continue  # a label the launcher gave (not a network name): not what Gloo connects to
+        if ipaddress.ip_address(address).is_loopback:
+            return f"this host's name {name!r} resolves to {address}, a loopback address"
+    return None
+
+
+def check_host_address(env=None, **lookups):
+    """Raise, before Horovod's Gloo set-up fails obscurely, when `loopback_host_problem` finds one."""
+    env = os.environ if env is None else env
+    problem = loopback_host_problem(env, **lookups)
+    if problem:
+        raise RuntimeError(
+            f"tfdp: rank {env.get('HOROVOD_RANK', '?')}: the job spans {env.get('HOROVOD_CROSS_SIZE')} hosts, but "
+            f"{problem}: the other hosts could not reach this worker and Horovod's Gloo would fail inside "
+            "hvd.init() with 'Connection refused'. Fix one of: map the name to this host's network address in "
+            "/etc/hosts; set HOROVOD_HOSTNAME to a name or address the other hosts reach; or pass "
+            "--network-interface IFACE to horovodrun (tfdp run passes it through).")
+
+
 def horovod():
     """Return the initialised `horovod.tensorflow` module.
 
     Raises:
         ImportError: Horovod is missing or was built without TensorFlow.
+        RuntimeError: a job spanning hosts, run here under a name that resolves to loopback.
     """
     global _hvd
     if _hvd is not None:
         return _hvd
+    check_host_address()
     for key, value in _DEFAULTS.items():
         os.environ.setdefault(key, value)
     try:

@@ -68,6 +68,9 @@ class StrategyHooks(abc.ABC):
     def extra_callbacks(self, model, callbacks):
         """Callbacks to run before the user's in fit/evaluate/predict (on every rank)."""
 
+    def step_failed(self, error):
+        """A training step raised `error` (a TensorFlow op error); say what is known, then it propagates."""
+
 
 INFINITE, UNKNOWN = -1, -2  # tf.data's cardinality codes
 
@@ -434,7 +437,9 @@ def _split_on_batch_inputs(method, names):
 def _patch_train_function():
     # keras/src/backend/tensorflow/trainer.py: `make_train_function` builds the train
     # function from `self.train_step` (Keras's or the user's) with `_make_function`. tfdp
-    # wraps the step so that the gradient reduction knows this rank's rows.
+    # wraps the step so that the gradient reduction knows this rank's rows, and the
+    # function so that a failed collective can be explained (a lost host) before it raises.
+    import tensorflow as tf
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     original = tf_trainer.TensorFlowTrainer.make_train_function
@@ -450,7 +455,16 @@ def _patch_train_function():
             with hooks.training_step(data):
                 return step(data)
 
-        self.train_function = self._make_function(train_step)
+        function = self._make_function(train_step)
+
+        def train_function(iterator):
+            try:
+                return function(iterator)
+            except tf.errors.OpError as error:
+                hooks.step_failed(error)
+                raise
+
+        self.train_function = train_function
         return self.train_function
 
     make_train_function._tfdp_original = original

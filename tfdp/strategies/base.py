@@ -1,5 +1,9 @@
 """`HorovodStrategy`: the set-up shared by all tfdp strategies; subclasses choose the reducer."""
 
+import os
+import socket
+import sys
+
 import numpy as np
 import tensorflow as tf
 
@@ -10,7 +14,7 @@ from tfdp.comm import HorovodCommunicator
 from tfdp.strategies import output
 from tfdp.strategies.extended import HorovodExtended
 from tfdp.strategies.settle import SettleState
-from tfdp.strategies.watchdog import StepWatchdog, timeout_from_env
+from tfdp.strategies.watchdog import StepWatchdog, lost_hosts, timeout_from_env
 
 
 class HorovodStrategy(tf.distribute.Strategy):
@@ -30,6 +34,7 @@ class HorovodStrategy(tf.distribute.Strategy):
             self.extended.skipped_steps = local_variable(lambda: tf.constant(0, tf.int64), "tfdp_skipped_steps")
         if communicator.size > 1:
             self._share_random_seed(communicator)
+        self._hosts = self._gather_hosts() if int(os.environ.get("HOROVOD_CROSS_SIZE", "1") or 1) > 1 else None
         output.follow_rank(communicator.rank, communicator.size)
 
     @staticmethod
@@ -41,6 +46,10 @@ class HorovodStrategy(tf.distribute.Strategy):
             return
         seed = tf.constant([np.random.SeedSequence().entropy % (2**31)], tf.int64)
         tf.random.set_seed(int(communicator.broadcast(seed, root_rank=0).numpy()[0]))
+
+    def _gather_hosts(self):
+        """Every rank's host name (jobs that span hosts), so the watchdog can name a lost one."""
+        return self.extended._gather_strings(os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname())
 
     @property
     def rank(self):
@@ -75,8 +84,15 @@ class HorovodStrategy(tf.distribute.Strategy):
         """Callbacks tfdp adds (first, on every rank) to `fit`, `evaluate` and `predict`."""
         extra = [SettleState(self, callbacks)]
         if self.extended.communicator.size > 1:
-            extra.append(StepWatchdog(self.rank, self._step_timeout_seconds))
+            extra.append(StepWatchdog(self.rank, self._step_timeout_seconds, self._hosts))
         return extra
+
+    def step_failed(self, error):
+        """A training step raised `error`: on a job that spans hosts, name the hosts that no longer answer."""
+        lost = lost_hosts(self._hosts, self.rank)
+        if lost:
+            print(f"tfdp: rank {self.rank} on host {self._hosts[self.rank]}: a training step failed "
+                  f"({type(error).__name__}): {lost}.", file=sys.stderr, flush=True)
 
     def settle(self, optimizer):
         """Finish in-flight exchanges and gather every rank's reducer state.

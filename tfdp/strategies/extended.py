@@ -16,6 +16,7 @@ import tensorflow as tf
 from tfdp._compat.keras import UNKNOWN, StrategyHooks
 from tfdp._compat.tensorflow import Mirrored, MirroredExtended, in_xla_context, local_variable
 from tfdp.reducers.base import rows_of_this_step
+from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, take_rows
 
 _SIGNATURE_DIMS = 8
@@ -57,7 +58,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         self._size = communicator.size
         # Orders each step's output reduction after the previous step's (see reduce_step_outputs).
         self._outputs_fence = local_variable(tf.constant(0, tf.int64), "tfdp_step_outputs_fence")
-        super().__init__(container_strategy, devices=["/cpu:0"])
+        super().__init__(container_strategy, devices=[replica_device()])
 
     @property
     def rank(self):
@@ -286,6 +287,9 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
 
     def extra_callbacks(self, model, callbacks):
         return self._container_strategy().training_callbacks(model, callbacks)
+
+    def step_failed(self, error):
+        self._container_strategy().step_failed(error)
 
     # -- input --------------------------------------------------------------------
     def _experimental_distribute_dataset(self, dataset, options):

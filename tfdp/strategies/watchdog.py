@@ -15,6 +15,7 @@ Example:
 """
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -44,12 +45,49 @@ def timeout_from_env():
     return value
 
 
-class StepWatchdog(keras.callbacks.Callback):
-    """Exit this worker with `EXIT_CODE` when a training batch takes longer than `timeout_seconds`."""
+PROBE_PORT = 22  # horovodrun reaches every host of a job over ssh
+PROBE_SECONDS = 2.0
 
-    def __init__(self, rank, timeout_seconds=None):
+
+def unreachable_hosts(hosts, this_host, port=PROBE_PORT, seconds=PROBE_SECONDS):
+    """The hosts among `hosts` (other than `this_host`) that do not accept a TCP connection on `port`."""
+    silent = []
+    for host in dict.fromkeys(hosts):
+        if host == this_host:
+            continue
+        try:
+            socket.create_connection((host, port), timeout=seconds).close()
+        except OSError:
+            silent.append(host)
+    return silent
+
+
+def lost_hosts(hosts, rank, port=PROBE_PORT):
+    """'host h2 (ranks [1]) no longer answers ...' for the peers' hosts that do not answer, else None.
+
+    `hosts` holds every rank's host; one host (or none known) gives None without probing.
+    """
+    if not hosts or len(set(hosts)) < 2:
+        return None
+    silent = unreachable_hosts(hosts, hosts[rank], port)
+    if not silent:
+        return None
+    ranks = [r for r, host in enumerate(hosts) if host in silent]
+    return (f"host {', '.join(silent)} (ranks {ranks}) no longer answers on port {port}: it failed or "
+            "left the network")
+
+
+class StepWatchdog(keras.callbacks.Callback):
+    """Exit this worker with `EXIT_CODE` when a training batch takes longer than `timeout_seconds`.
+
+    `hosts` (each rank's host, for jobs that span hosts) lets it name the hosts that no longer
+    answer (on their ssh port) when it fires.
+    """
+
+    def __init__(self, rank, timeout_seconds=None, hosts=None):
         super().__init__()
         self.rank = rank
+        self.hosts = list(hosts or [])
         self.timeout_seconds = timeout_from_env() if timeout_seconds is None else timeout_seconds
         self._batch = None
         self._started = None
@@ -80,8 +118,14 @@ class StepWatchdog(keras.callbacks.Callback):
         while not self._stop.wait(0.5):
             started = self._started
             if started is not None and time.monotonic() - started > self.timeout_seconds:
-                print(f"tfdp: rank {self.rank}: training batch {self._batch} has not finished after "
-                      f"{self.timeout_seconds:g} s: this worker or a peer stalled (stopped submitting "
-                      f"collectives without exiting). Ending this worker so the job does not hang; if steps "
-                      f"really take that long, raise {TIMEOUT_ENV}.", file=sys.stderr, flush=True)
+                print(f"tfdp: rank {self.rank}{self._where()}: training batch {self._batch} has not finished after "
+                      f"{self.timeout_seconds:g} s: {self._culprit()}. Ending this worker so the job does not hang; "
+                      f"if steps really take that long, raise {TIMEOUT_ENV}.", file=sys.stderr, flush=True)
                 os._exit(EXIT_CODE)
+
+    def _where(self):
+        return f" on host {self.hosts[self.rank]}" if self.hosts else ""
+
+    def _culprit(self):
+        return (lost_hosts(self.hosts, self.rank)
+                or "this worker or a peer stalled (stopped submitting collectives without exiting)")

@@ -59,14 +59,16 @@ def ring_bytes(payload, workers, kind):
 def exchange(preset_options, kind, shapes):
     """Return (payloads, collectives): [(bytes, "allreduce"|"allgather")] per exchange and its count.
 
-    Each rank's row count (one float32) travels with the gradients of a Keras training step.
+    Each rank's row count (one float32) travels with the gradients of a Keras training step,
+    except under error feedback, whose residuals must not change scale with a step's rows.
     """
     dense = sum(4 * _numel(s) for s in shapes) + ROW_COUNT_BYTES
     if kind != "compressed":
         return [(dense, "allreduce")], 1
     codec = resolve(preset_options.get("compressor", "fp16"))
     limit = preset_options.get("min_compress_bytes", DEFAULT_MIN_COMPRESS_BYTES)
-    small = sum(4 * _numel(s) for s in shapes if 4 * _numel(s) < limit) + ROW_COUNT_BYTES
+    rows = 0 if preset_options.get("error_feedback", True) else ROW_COUNT_BYTES
+    small = sum(4 * _numel(s) for s in shapes if 4 * _numel(s) < limit) + rows
     large = [s for s in shapes if 4 * _numel(s) >= limit]
     compressed = sum(codec.payload_bytes(s) for s in large)
     travel = "allreduce" if codec.summable else "allgather"

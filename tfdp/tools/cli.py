@@ -94,8 +94,14 @@ def _bench(args):
 
 
 def _run(args, passthrough):
+    import socket
+
+    from tfdp._compat.horovod import check_host_address
     from tfdp.tools.launcher import horovodrun_command
 
+    hosts = [h.split(":")[0] for h in (args.hosts or "").split(",") if h]
+    if len(set(hosts)) > 1 and socket.gethostname() in hosts:  # this machine is one of several hosts
+        check_host_address({"HOROVOD_CROSS_SIZE": str(len(set(hosts))), "HOROVOD_RANK": "(this host)"})
     if args.strategy:
         presets.resolve_variant(args.strategy)  # Fail here, once, not on every worker.
         os.environ[presets.ENV_VAR] = args.strategy

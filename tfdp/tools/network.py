@@ -94,14 +94,22 @@ class LinkBytes:
     received: int
 
 
+INTERFACE = "eth0"  # every host's link has this name in its namespace, as on real machines
+
+
 class EmulatedHosts:
     """`count` namespaces on one bridge, each link limited to `rate_mbit` (None: unlimited).
 
     `tag` makes names unique per launcher (default: this process id); `subnet` is a /24
-    prefix such as "10.213.0".
+    prefix such as "10.213.0". Each host's link is `INTERFACE` inside its namespace, and
+    every host resolves every host's name (`names`, default host0, host1, ...) and this
+    machine's host name (to its own address, or to 127.0.1.1 for the hosts in
+    `loopback_hostname`, as Debian maps it by default). With `login`, one more namespace on
+    the bridge (no rate limit) from which a launcher reaches the hosts by name.
     """
 
-    def __init__(self, count, rate_mbit=None, tag=None, subnet=None):
+    def __init__(self, count, rate_mbit=None, tag=None, subnet=None, names=None, login=False,
+                 loopback_hostname=()):
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"`count` must be an int >= 1. Received: {count!r}")
         if rate_mbit is not None and not rate_mbit > 0:
@@ -113,15 +121,27 @@ class EmulatedHosts:
         self.tag = int(tag if tag is not None else os.getpid() % 100000)
         self.subnet = subnet or f"10.{200 + self.tag % 50}.{self.tag // 50 % 256}"
         self.bridge = f"{PREFIX}br{self.tag}"
+        self.names = list(names or [f"host{i}" for i in range(count)])
+        if len(self.names) != count:
+            raise ValueError(f"`names` must name {count} hosts. Received: names={names!r}")
         self.namespaces = [f"{PREFIX}{self.tag}-{i}" for i in range(count)]
         self.host_links = [f"{PREFIX}v{self.tag}h{i}" for i in range(count)]
-        self.inner_links = [f"{PREFIX}v{self.tag}n{i}" for i in range(count)]
+        self._peer_links = [f"{PREFIX}v{self.tag}n{i}" for i in range(count)]
+        self.inner_links = [INTERFACE] * count
         self.addresses = [f"{self.subnet}.{i + 1}" for i in range(count)]
         self.bridge_address = f"{self.subnet}.254"
+        self.loopback_hostname = set(loopback_hostname)
+        # The login namespace is host number `count` everywhere below (address .253).
+        self.login = f"{PREFIX}{self.tag}-{count}" if login else None
+        self.login_address = f"{self.subnet}.253"
         self._up = False
 
     def __enter__(self):
         check_available()
+        if os.path.exists(os.path.join(_SYS_NET, self.bridge)):  # not ours: leave it as it is
+            raise RuntimeError(f"The bridge {self.bridge} already exists: another EmulatedHosts with tag {self.tag} is "
+                               "running, or a killed one left it behind. Use another tag, or remove what tfdp left "
+                               "with `python -c 'from tfdp.tools import network; network.remove_leftovers()'`.")
         try:
             self._create()
         except BaseException:
@@ -138,28 +158,37 @@ class EmulatedHosts:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        for ns, host_link, inner_link, address in zip(self.namespaces, self.host_links, self.inner_links,
-                                                       self.addresses):
-            _ip("netns", "add", ns)
-            _ip("link", "add", host_link, "type", "veth", "peer", "name", inner_link)
-            _ip("link", "set", inner_link, "netns", ns)
-            _ip("link", "set", host_link, "master", self.bridge)
-            _ip("link", "set", host_link, "up")
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inner_link)
-            _ip("-n", ns, "link", "set", inner_link, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            self._write_hosts_file(ns, address)
+        for i, address in enumerate(self.addresses):
+            self._add_host(self.namespaces[i], self.host_links[i], self._peer_links[i], address, i)
             if self.rate_mbit is not None:
                 # Both ends: the host's uplink (namespace side) and its downlink (bridge side).
-                self._limit(None, host_link)
-                self._limit(ns, inner_link)
+                self._limit(None, self.host_links[i])
+                self._limit(self.namespaces[i], INTERFACE)
+        if self.login:
+            self._add_host(self.login, f"{PREFIX}v{self.tag}h{self.count}", f"{PREFIX}v{self.tag}n{self.count}",
+                           self.login_address, None)
 
-    def _write_hosts_file(self, namespace, address):
+    def _add_host(self, ns, host_link, peer_link, address, index):
+        _ip("netns", "add", ns)
+        _ip("link", "add", host_link, "type", "veth", "peer", "name", peer_link)
+        _ip("link", "set", peer_link, "netns", ns)
+        _ip("-n", ns, "link", "set", peer_link, "name", INTERFACE)
+        _ip("link", "set", host_link, "master", self.bridge)
+        _ip("link", "set", host_link, "up")
+        _ip("-n", ns, "addr", "add", f"{address}/24", "dev", INTERFACE)
+        _ip("-n", ns, "link", "set", INTERFACE, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        self._write_hosts_file(ns, address, index)
+
+    def _write_hosts_file(self, namespace, address, index):
         # Horovod 0.28.1 builds its process-set Gloo device without HOROVOD_GLOO_IFACE, from the
         # address this machine's hostname resolves to; inside a host that must be the host's address.
+        own = "127.0.1.1" if index in self.loopback_hostname else address
+        lines = ["127.0.0.1 localhost", f"{own} {socket.gethostname()}"]
+        lines += [f"{a} {n}" for a, n in zip(self.addresses, self.names)]
         os.makedirs(os.path.join(_NETNS_ETC, namespace), exist_ok=True)
         with open(os.path.join(_NETNS_ETC, namespace, "hosts"), "w") as f:
-            f.write(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
+            f.write("\n".join(lines) + "\n")
 
     def _limit(self, namespace, link):
         rate_bits = self.rate_mbit * 1e6
@@ -170,17 +199,22 @@ class EmulatedHosts:
 
     def remove(self):
         """Delete every namespace, veth and the bridge (idempotent)."""
-        for ns in self.namespaces:
+        for ns in self.namespaces + ([self.login] if self.login else []):
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(os.path.join(_NETNS_ETC, ns), ignore_errors=True)
-        for link in self.host_links + [self.bridge]:
+        login_link = [f"{PREFIX}v{self.tag}h{self.count}"] if self.login else []
+        for link in self.host_links + login_link + [self.bridge]:
             if os.path.exists(os.path.join(_SYS_NET, link)):
                 _ip("link", "del", link, check=False)
         self._up = False
 
     def exec_prefix(self, host):
-        """The command prefix that runs a program inside emulated host `host`."""
-        return ["ip", "netns", "exec", self.namespaces[host]]
+        """The command prefix that runs a program inside emulated host `host` (None: the login host)."""
+        return ["ip", "netns", "exec", self.login if host is None else self.namespaces[host]]
+
+    def take_down(self, host):
+        """Cut host `host` off the network (its link goes down), as if it had failed."""
+        _ip("-n", self.namespaces[host], "link", "set", INTERFACE, "down")
 
     def link_bytes(self, host):
         """`LinkBytes` that crossed host `host`'s link so far (from the bridge-side veth counters)."""
