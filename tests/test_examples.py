@@ -49,6 +49,9 @@ def test_progress_bar_only_on_rank0_even_with_worker_stdout_on():
 
 
 @pytest.mark.full
+@pytest.mark.timeout(3000)
+@pytest.mark.xfail(strict=True, reason="issue 12 is open: with Adam, topk-1pct (-6.9 pp), qsgd (-2.5) and efsign "
+                                       "(-1.1) fall more than a point below sync on this example (measured once)")
 def test_every_shipped_preset_trains_the_example_within_a_point_of_sync():
     # Issue 12's acceptance: `tfdp run -np 2 --strategy P examples/digits.py`, as a user types it.
     import tfdp
@@ -58,6 +61,7 @@ def test_every_shipped_preset_trains_the_example_within_a_point_of_sync():
         run = tfdp_run("-np", 2, "--strategy", preset, EXAMPLE, env={"TFDP_VERBOSE_WORKERS": "0"})
         assert run.returncode == 0, (preset, run.output[-3000:])
         [results[preset]] = accuracies(run.output)
+        print(f"{preset}: {results[preset]:.4f} in {run.seconds:.0f} s", flush=True)
     print("\n" + "\n".join(f"{p}: {a:.4f} ({100 * (a - results['sync']):+.2f} pp)" for p, a in results.items()))
     behind = {p: a for p, a in results.items() if a < results["sync"] - 0.01}
     assert not behind, (behind, results["sync"])

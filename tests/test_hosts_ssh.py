@@ -129,3 +129,24 @@ def test_a_host_that_disappears_ends_the_job_within_the_step_timeout_naming_it()
     assert ended < timeout + 30, (ended, said[-4000:])
     assert leftovers(keys) == ([], [], False)
     print(f"\nhost h2 cut off: the job ended {ended:.1f} s later (step timeout {timeout} s)")
+
+
+def test_elastic_training_grows_from_two_hosts_to_three(tmp_path):
+    # horovodrun's elastic mode asks a discovery script for hosts; rank 0 adds h3 in epoch 2.
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text("h1:1\nh2:1\n")
+    with hosts(["h1", "h2", "h3"], tag=92005) as cluster:
+        keys = cluster.keys
+        command = cluster.exec_prefix() + python_command(
+            f"horovodrun -np 2 --min-np 2 --max-np 3 --host-discovery-script {WORKERS / 'hosts_file.sh'} "
+            f"python {WORKERS / 'elastic.py'} --out {tmp_path} --grow-hosts-file {hosts_file} --grow-host h3")
+        run = run_process(command, timeout=600, env={**ENV, "TFDP_HOSTS_FILE": str(hosts_file)})
+    assert run.returncode == 0, run.output[-3000:]
+    import json
+
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    # Only h3 can give the third worker: discovery lists one slot per host.
+    assert result["sizes"] == [2, 3] and result["size"] == 3 and result["epoch"] == 12
+    assert result["accuracy"] >= 0.95
+    assert leftovers(keys) == ([], [], False)
+    print(f"\nelastic over ssh, h1+h2 then h3: accuracy {result['accuracy']:.4f} in {run.seconds:.1f} s")
