@@ -1,6 +1,6 @@
 """Every shipped preset against sync on a grid of ordinary configurations, 2 workers, 3 seeds.
 
-    .venv/bin/python benchmarks/preset_grid.py                    # the whole grid (about 1-2 hours)
+    .venv/bin/python benchmarks/preset_grid.py                    # the whole grid (about 2-3 hours on 2 cores)
     .venv/bin/python benchmarks/preset_grid.py --cells digits-mlp-sgd-64 --presets topk-1pct async-s1
 
 Cells: (dataset, model) in {(digits, conv), (digits, mlp), (breast_cancer, mlp)} x optimizer in
