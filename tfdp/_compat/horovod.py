@@ -27,7 +27,9 @@ _hvd = None
 def loopback_host_problem(env=None, resolve=None, hostname=None):
     """What is wrong when a job spanning hosts runs here under a name that resolves to loopback, or None.
 
-    horovodrun's Gloo workers learn the number of hosts from ``HOROVOD_CROSS_SIZE``. Horovod
+    horovodrun's Gloo workers learn the number of hosts from ``HOROVOD_CROSS_SIZE`` and the
+    name the launcher reached this host by from ``HOROVOD_HOSTNAME`` (``localhost`` or a
+    loopback address there means the launcher's hosts are all this machine). Horovod
     0.28.1 builds its Gloo device from the address this host's name resolves to (and
     ``HOROVOD_HOSTNAME``'s); if that is a loopback address, the other hosts are told to
     connect to 127.x and `hvd.init()` fails with "gloo::IoException ... Connection refused".
@@ -38,7 +40,10 @@ def loopback_host_problem(env=None, resolve=None, hostname=None):
     hosts = int(env.get("HOROVOD_CROSS_SIZE", "1") or 1)
     if hosts < 2:
         return None
-    for name in dict.fromkeys(n for n in (hostname(), env.get("HOROVOD_HOSTNAME")) if n):
+    named = env.get("HOROVOD_HOSTNAME")
+    if named and _is_loopback_literal(named):
+        return None  # the launcher was told this host is local (-H localhost:1,127.0.0.1:1): one machine
+    for name in [named] if named else [hostname()]:
         try:
             address = resolve(name)
         except OSError:
@@ -46,6 +51,15 @@ def loopback_host_problem(env=None, resolve=None, hostname=None):
         if ipaddress.ip_address(address).is_loopback:
             return f"this host's name {name!r} resolves to {address}, a loopback address"
     return None
+
+
+def _is_loopback_literal(name):
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def check_host_address(env=None, **lookups):
