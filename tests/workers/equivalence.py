@@ -78,7 +78,7 @@ def strategy_for(mode):
     from tfdp.reducers import GradientReducer
 
     class KeepLocalGradients(GradientReducer):
-        def _reduce(self, grads, variables):
+        def _reduce(self, grads, variables, opt):
             return grads
 
     strategy = tfdp.MirroredStrategy()
