@@ -239,13 +239,12 @@ def test_loopback_host_name_in_a_multi_host_job_is_named_before_gloo_fails():
     assert loopback_host_problem({"HOROVOD_CROSS_SIZE": "1"}, **lookups) is None
     assert loopback_host_problem({"HOROVOD_CROSS_SIZE": "2"}, resolve=lambda n: loopback[n],
                                  hostname=lambda: "h1") is None
-    # The name horovodrun reached this host by decides: h2 mapped to loopback on h2 is the
-    # problem even when the machine's own name resolves well...
+    # The name horovodrun reached this host by counts too: h2 mapped to loopback on h2...
     mapped = {"h2": "127.0.1.1", "h1": "10.0.0.1"}
     assert "'h2' resolves to 127.0.1.1" in loopback_host_problem(
         {"HOROVOD_CROSS_SIZE": "2", "HOROVOD_HOSTNAME": "h2"}, resolve=lambda n: mapped[n], hostname=lambda: "h1")
-    # ...and hosts given as localhost / 127.0.0.1 (one machine under several names) are fine.
-    for local in ("localhost", "127.0.0.1"):
+    # ...but hosts given by address or as localhost (one machine under several names) are fine.
+    for local in ("localhost", "127.0.0.1", "10.0.0.7"):
         assert loopback_host_problem({"HOROVOD_CROSS_SIZE": "3", "HOROVOD_HOSTNAME": local}, **lookups) is None
 
 

@@ -28,8 +28,9 @@ def loopback_host_problem(env=None, resolve=None, hostname=None):
     """What is wrong when a job spanning hosts runs here under a name that resolves to loopback, or None.
 
     horovodrun's Gloo workers learn the number of hosts from ``HOROVOD_CROSS_SIZE`` and the
-    name the launcher reached this host by from ``HOROVOD_HOSTNAME`` (``localhost`` or a
-    loopback address there means the launcher's hosts are all this machine). Horovod
+    name the launcher reached this host by from ``HOROVOD_HOSTNAME`` (``localhost`` or an
+    address there: the launcher does not rely on names, e.g. one machine listed as
+    ``localhost``, ``127.0.0.1`` and its own address). Horovod
     0.28.1 builds its Gloo device from the address this host's name resolves to (and
     ``HOROVOD_HOSTNAME``'s); if that is a loopback address, the other hosts are told to
     connect to 127.x and `hvd.init()` fails with "gloo::IoException ... Connection refused".
@@ -41,9 +42,9 @@ def loopback_host_problem(env=None, resolve=None, hostname=None):
     if hosts < 2:
         return None
     named = env.get("HOROVOD_HOSTNAME")
-    if named and _is_loopback_literal(named):
-        return None  # the launcher was told this host is local (-H localhost:1,127.0.0.1:1): one machine
-    for name in [named] if named else [hostname()]:
+    if named and _is_address_literal(named):
+        return None  # the launcher reached this host by address or as localhost, not by its name
+    for name in dict.fromkeys(n for n in (hostname(), named) if n):
         try:
             address = resolve(name)
         except OSError:
@@ -53,13 +54,14 @@ def loopback_host_problem(env=None, resolve=None, hostname=None):
     return None
 
 
-def _is_loopback_literal(name):
+def _is_address_literal(name):
     if name == "localhost":
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        ipaddress.ip_address(name)
     except ValueError:
         return False
+    return True
 
 
 def check_host_address(env=None, **lookups):
