@@ -24,6 +24,12 @@ _DEFAULTS = {
 _hvd = None
 
 
+def cross_size(env=None):
+    """How many hosts the job spans, as horovodrun tells its workers (1 outside horovodrun)."""
+    env = os.environ if env is None else env
+    return int(env.get("HOROVOD_CROSS_SIZE", "1") or 1)
+
+
 def loopback_host_problem(env=None, resolve=None, hostname=None):
     """What is wrong when a job spanning hosts runs here under a name that resolves to loopback, or None.
 
@@ -38,8 +44,7 @@ def loopback_host_problem(env=None, resolve=None, hostname=None):
     """
     env = os.environ if env is None else env
     resolve, hostname = resolve or socket.gethostbyname, hostname or socket.gethostname
-    hosts = int(env.get("HOROVOD_CROSS_SIZE", "1") or 1)
-    if hosts < 2:
+    if cross_size(env) < 2:
         return None
     named = env.get("HOROVOD_HOSTNAME")
     if named and _is_address_literal(named):

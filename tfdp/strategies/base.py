@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import _compat
+from tfdp._compat.horovod import cross_size
 from tfdp._compat.keras import gradients_reduced
 from tfdp._compat.tensorflow import global_seed, local_variable
 from tfdp.comm import HorovodCommunicator
@@ -34,7 +35,7 @@ class HorovodStrategy(tf.distribute.Strategy):
             self.extended.skipped_steps = local_variable(lambda: tf.constant(0, tf.int64), "tfdp_skipped_steps")
         if communicator.size > 1:
             self._share_random_seed(communicator)
-        self._hosts = self._gather_hosts() if int(os.environ.get("HOROVOD_CROSS_SIZE", "1") or 1) > 1 else None
+        self._hosts = self._gather_hosts() if cross_size() > 1 else None
         output.follow_rank(communicator.rank, communicator.size)
 
     @staticmethod

@@ -133,6 +133,7 @@ class EmulatedHosts:
         self.loopback_hostname = set(loopback_hostname)
         # The login namespace is host number `count` everywhere below (address .253).
         self.login = f"{PREFIX}{self.tag}-{count}" if login else None
+        self._login_links = (f"{PREFIX}v{self.tag}h{count}", f"{PREFIX}v{self.tag}n{count}")
         self.login_address = f"{self.subnet}.253"
         self._up = False
 
@@ -165,8 +166,7 @@ class EmulatedHosts:
                 self._limit(None, self.host_links[i])
                 self._limit(self.namespaces[i], INTERFACE)
         if self.login:
-            self._add_host(self.login, f"{PREFIX}v{self.tag}h{self.count}", f"{PREFIX}v{self.tag}n{self.count}",
-                           self.login_address, None)
+            self._add_host(self.login, *self._login_links, self.login_address, None)
 
     def _add_host(self, ns, host_link, peer_link, address, index):
         _ip("netns", "add", ns)
@@ -202,7 +202,7 @@ class EmulatedHosts:
         for ns in self.namespaces + ([self.login] if self.login else []):
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(os.path.join(_NETNS_ETC, ns), ignore_errors=True)
-        login_link = [f"{PREFIX}v{self.tag}h{self.count}"] if self.login else []
+        login_link = [self._login_links[0]] if self.login else []
         for link in self.host_links + login_link + [self.bridge]:
             if os.path.exists(os.path.join(_SYS_NET, link)):
                 _ip("link", "del", link, check=False)
