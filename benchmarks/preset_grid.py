@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/preset_grid.py                    # the whole grid (about 2-3 hours on 2 cores)
     .venv/bin/python benchmarks/preset_grid.py --cells digits-mlp-sgd-64 --presets topk-1pct async-s1
+    .venv/bin/python benchmarks/preset_grid.py --resume                 # run the cells not yet in the results
+    .venv/bin/python benchmarks/preset_grid.py --resume --replace --presets qsgd  # rerun qsgd where it ran
 
 Cells: (dataset, model) in {(digits, conv), (digits, mlp), (breast_cancer, mlp)} x optimizer in
 {momentum SGD (0.05, 0.9), Adam (2e-3)} x global batch in {32, 128}, named like
@@ -38,12 +40,12 @@ def parse_cell(name):
     return dataset, model, optimizer, int(batch)
 
 
-def run_cell(cell, presets, seeds, epochs, report_epochs):
+def run_cell(cell, presets, seeds, epochs, report_epochs, with_sync=True):
     dataset, model, optimizer, batch = parse_cell(cell)
     with tempfile.TemporaryDirectory() as out:
         ranks = _launch.run_job(WORKER, out, ["--dataset", dataset, "--model", model, "--optimizer", optimizer,
                                               "--batch-size", batch, "--epochs", epochs, "--report-epochs",
-                                              *report_epochs, "--seeds", *seeds, "--configs", "sync", *presets],
+                                              *report_epochs, "--seeds", *seeds, "--configs", *(["sync"] if with_sync else []), *presets],
                                 timeout=7200)
     return [dict(run, cell=cell) for run in ranks[0]]
 
@@ -54,7 +56,10 @@ def summarise(runs, report_epochs):
     for cell in dict.fromkeys(r["cell"] for r in runs):
         in_cell = [r for r in runs if r["cell"] == cell]
         sync = {r["seed"]: r for r in in_cell if r["config"] == "sync"}
-        for epochs, preset in itertools.product(report_epochs, dict.fromkeys(r["config"] for r in in_cell)):
+        order = ["sync", *PRESETS]
+        configs = sorted(dict.fromkeys(r["config"] for r in in_cell),
+                         key=lambda c: order.index(c) if c in order else len(order))
+        for epochs, preset in itertools.product(report_epochs, configs):
             runs_of = [r for r in in_cell if r["config"] == preset]
             diffs = [100 * (r["accuracy"][str(epochs)] - sync[r["seed"]]["accuracy"][str(epochs)]) for r in runs_of]
             se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
@@ -105,11 +110,15 @@ def main():
     parser.add_argument("--report-epochs", nargs="+", type=int, default=[12, 20])
     parser.add_argument("--out", default=str(HERE / "results" / "preset_grid"))
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out's json, run the rest")
+    parser.add_argument("--replace", action="store_true",
+                        help="with --resume: in cells already run, run --presets again (not sync) and replace their runs")
     args = parser.parse_args()
     runs = json.loads(Path(f"{args.out}.json").read_text())["runs"] if args.resume else []
     done = {r["cell"] for r in runs}
-    for cell in [c for c in args.cells if c not in done]:
-        runs += run_cell(cell, args.presets, args.seeds, args.epochs, args.report_epochs)
+    for cell in [c for c in args.cells if c not in done or args.replace]:
+        if cell in done:
+            runs = [r for r in runs if not (r["cell"] == cell and r["config"] in args.presets)]
+        runs += run_cell(cell, args.presets, args.seeds, args.epochs, args.report_epochs, with_sync=cell not in done)
         rows = summarise(runs, args.report_epochs)
         Path(f"{args.out}.json").write_text(json.dumps({"args": vars(args), "runs": runs, "rows": rows}, indent=1))
         Path(f"{args.out}.md").write_text(pivot(rows) + "\n" + markdown(rows))

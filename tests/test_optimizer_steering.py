@@ -96,3 +96,47 @@ def test_staleness_momentum_steers_keras_sgd_to_the_lower_momentum():
     for g0, g1 in zip(gradients(10, (64, 8)), gradients(11, (64, 8))):
         optimizer.apply([g0 + g1], [w])
     np.testing.assert_allclose(steered[0], w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def train_adam_on_fake_ranks(make_reducer):
+    """Two ranks, each with a Keras Adam fed by the reducer (op "average": unscaled local losses)."""
+    def body(comm):
+        optimizer = keras.optimizers.Adam(0.01)
+        w = tf.Variable(tf.zeros([64, 8]), name="w")
+        reducer = make_reducer(comm)
+        for grad in gradients(10 + comm.rank, (64, 8)):
+            optimizer.apply(reducer.reduce([grad], [w], optimizer), [w])
+            reducer.after_update([w])
+        return w.numpy(), reducer.compresses_updates
+
+    return run_ranks(2, body)
+
+
+def test_update_compression_with_an_exact_codec_averages_each_workers_adam_step():
+    # Identity sends everything: the weights move by the mean of the two workers' own Adam
+    # steps (each worker's moments from its own gradients), step for step.
+    ranks = train_adam_on_fake_ranks(lambda comm: CompressedGradients(
+        comm, Identity(), min_compress_bytes=0, op="average", momentum_correction="update"))
+    optimizers = [keras.optimizers.Adam(0.01) for _ in range(2)]
+    local = [tf.Variable(tf.zeros([64, 8])) for _ in range(2)]
+    w = np.zeros([64, 8], np.float32)
+    for g0, g1 in zip(gradients(10, (64, 8)), gradients(11, (64, 8))):
+        steps = []
+        for optimizer, variable, grad in zip(optimizers, local, (g0, g1)):
+            variable.assign(w)
+            optimizer.apply([grad], [variable])
+            steps.append(variable.numpy() - w)
+        w = w + (steps[0] + steps[1]) / 2
+    for weights, compresses_updates in ranks:
+        assert compresses_updates
+        np.testing.assert_allclose(weights, w, rtol=1e-5, atol=1e-7)
+
+
+def test_auto_compresses_the_adam_step_for_sparsifiers_only():
+    auto = train_adam_on_fake_ranks(lambda comm: CompressedGradients(comm, TopK(0.05), min_compress_bytes=0))
+    plain = train_adam_on_fake_ranks(lambda comm: CompressedGradients(comm, TopK(0.05), min_compress_bytes=0,
+                                                                       momentum_correction=False))
+    cast = train_adam_on_fake_ranks(lambda comm: CompressedGradients(comm, Identity(), min_compress_bytes=0))
+    assert auto[0][1] and not plain[0][1] and not cast[0][1]
+    np.testing.assert_array_equal(auto[0][0], auto[1][0])
+    assert np.max(np.abs(auto[0][0] - plain[0][0])) > 1e-3

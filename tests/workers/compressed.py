@@ -26,6 +26,8 @@ COMPRESSORS = {
     "powersgd": {"compressor": {"name": "powersgd", "rank": 4}, "warmup_steps": 2},
     "randomk": {"compressor": {"name": "randomk", "ratio": 0.05}, "error_feedback": False},
 }
+# Under Adam, "auto" compresses each worker's optimizer step instead of its gradient.
+ADAM_CASES = {"topk-adam": "topk", "qsgd-adam": "qsgd", "efsign-adam": "efsign"}
 STEPS = 8
 
 
@@ -53,11 +55,11 @@ class Checksums(keras.callbacks.Callback):
 
 def fit_case(name, out):
     keras.utils.set_random_seed(1)
-    strategy = tfdp.CompressedStrategy(**COMPRESSORS[name])
+    strategy = tfdp.CompressedStrategy(**COMPRESSORS[ADAM_CASES.get(name, name)])
     with strategy.scope():
         model = mlp()
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        optimizer = keras.optimizers.Adam(1e-3) if name in ADAM_CASES else keras.optimizers.SGD(0.01, momentum=0.9)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = data()
     checksums = Checksums()
     logger = tfdp.callbacks.CommunicationLogger(log_dir=Path(out) / f"tb-{name}")
@@ -70,6 +72,8 @@ def fit_case(name, out):
         "checksums": checksums.values,
         "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
         "weights": [w.ravel()[:50].tolist() for w in model.get_weights()],
+        "compresses_updates": strategy.gradient_reducer.compresses_updates,
+        "optimizer_state": [np.asarray(v).ravel()[:50].tolist() for v in model.optimizer.variables[1:]],
     }
     if name == "topk" and strategy.is_chief:
         path = Path(out) / "topk.keras"
@@ -112,7 +116,7 @@ def custom_loop(out):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", nargs="+", default=sorted(COMPRESSORS) + ["custom-loop"])
+    parser.add_argument("--cases", nargs="+", default=sorted(COMPRESSORS) + sorted(ADAM_CASES) + ["custom-loop"])
     args = parser.parse_args()
     results = {}
     for case in args.cases:

@@ -1,6 +1,7 @@
 """Train digits under a preset with keras.callbacks.BackupAndRestore; optionally SIGKILL rank 1.
 
     --preset NAME          the shipped preset (sync, topk-1pct, powersgd-r4, async-s1, ...)
+    --optimizer NAME       sgd (momentum 0.9, the default) or adam
     --die-at-epoch K       rank 1 kills itself during epoch K (after rank 0 saved epoch K - 1)
     --forget-epoch         before fit, delete the saved epoch number (negative control: the
                            weights are restored but training restarts at epoch 0)
@@ -56,6 +57,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--backup", required=True)
     parser.add_argument("--preset", default="sync")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--die-at-epoch", type=int)
     parser.add_argument("--forget-epoch", action="store_true")
     parser.add_argument("--drop-reducer-state", action="store_true")
@@ -64,7 +66,8 @@ def main():
     x_train, y_train, _, _ = load_digits_split(0)
     strategy = tfdp.strategy(args.preset)
     with strategy.scope():
-        model = build_digits_model(keras.optimizers.SGD(0.05, momentum=0.9))
+        optimizer = keras.optimizers.Adam(2e-3) if args.optimizer == "adam" else keras.optimizers.SGD(0.05, momentum=0.9)
+        model = build_digits_model(optimizer)
     if args.forget_epoch and rank() == 0:
         os.unlink(os.path.join(args.backup, "training_metadata.json"))
     callbacks = [keras.callbacks.BackupAndRestore(args.backup, delete_checkpoint=False)]

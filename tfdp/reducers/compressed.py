@@ -4,9 +4,10 @@ import tensorflow as tf
 
 from tfdp.compression import RandomK, resolve
 from tfdp.compression.error_feedback import ErrorFeedback
-from tfdp.reducers.base import GradientReducer, variable_key
+from tfdp.reducers.base import ROW_COUNT, GradientReducer, variable_key
 from tfdp.reducers.optimizer_view import gradient_for_update, next_momentum_buffer
 from tfdp.reducers.optimizer_view import view as optimizer_view
+from tfdp.reducers.state import ReducerStateSaveable
 
 DEFAULT_MIN_COMPRESS_BYTES = 1024
 
@@ -14,7 +15,9 @@ DEFAULT_MIN_COMPRESS_BYTES = 1024
 _SPARSIFYING = ("topk", "randomk")
 # Codecs whose error grows with momentum unless the momentum is corrected (DGC).
 _MOMENTUM_CORRECTED = ("topk", "randomk", "efsign")
-MOMENTUM_CORRECTION = (True, False, "auto")
+# Lossy codecs whose error an adaptive optimizer's per-entry scaling distorts: compress the step.
+_UPDATE_COMPRESSED = ("topk", "randomk", "efsign", "qsgd")
+MOMENTUM_CORRECTION = (True, False, "auto", "update")
 
 
 class CompressedGradients(GradientReducer):
@@ -31,8 +34,21 @@ class CompressedGradients(GradientReducer):
     (factor masking, for sparsifiers), and the weights move by ``-lr`` times the summed
     payloads; the optimizer's own momentum is steered to apply exactly that (Nesterov too).
     When the optimizer clips, each worker clips its own gradient first, at the threshold
-    divided by sqrt(workers), and Keras does not clip again. Adam and plain SGD are left as
-    they are (error feedback on the raw gradient).
+    divided by sqrt(workers), and Keras does not clip again.
+
+    Update compression, for adaptive optimizers (Adam, AdamW, RMSprop, ...): Adam divides
+    each entry by the root of its own second moment, so an entry that error feedback holds
+    back for k steps and then releases moves about one step, not k, and a sparsifier slows
+    training by its sparsity. Under such an optimizer each worker instead takes the
+    optimizer's step on its own gradient (its moments are its own, saved per rank), and the
+    workers exchange that step, compressed with error feedback: the weights move by the
+    average of the delivered steps, identical on every rank, and what compression held back
+    of each worker's step follows later in full. Under plain SGD the two are the same thing.
+
+    ``momentum_correction`` picks among these: ``"auto"`` uses DGC for top-k, random-k and
+    EF-sign under momentum SGD, update compression for those and QSGD under any optimizer
+    that is not `keras.optimizers.SGD`, and the raw gradient otherwise; ``True`` forces
+    DGC under momentum SGD, ``"update"`` forces update compression, ``False`` turns both off.
 
     Args:
         communicator: a `tfdp.comm.Communicator`.
@@ -42,8 +58,7 @@ class CompressedGradients(GradientReducer):
         min_compress_bytes: gradients smaller than this (as float32) go dense.
         op: ``"sum"`` (losses already divided by the number of workers, as under a
             strategy) or ``"average"``.
-        momentum_correction: ``"auto"`` (for top-k, random-k and EF-sign under momentum
-            SGD), True or False.
+        momentum_correction: ``"auto"``, True, ``"update"`` or False (see above).
 
     Example:
         >>> reducer = CompressedGradients(communicator, TopK(0.01), error_feedback=True)
@@ -65,9 +80,39 @@ class CompressedGradients(GradientReducer):
         self.momentum_correction = momentum_correction
         self._step = self.state.variable("compression_step", lambda: tf.constant(0, tf.int64))
         self._corrected = None  # (positions, keys, compressed-now flag) of the step being traced
+        self._compresses_updates = False
+        self._before_update = None  # (variables, their values before the update) of the step being traced
+
+    def _compresses_updates_of(self, opt):
+        if self.momentum_correction == "update":
+            return True
+        return self.momentum_correction == "auto" and opt.adaptive and self.codec.name in _UPDATE_COMPRESSED
+
+    @property
+    def compresses_updates(self):
+        """True once the reducer compresses each worker's optimizer step (update compression)."""
+        return self._compresses_updates
+
+    def _configure(self, opt):
+        """Choose gradient or update compression for the optimizer that applies the result."""
+        self._compresses_updates = self._compresses_updates_of(opt)
+        # Each worker's optimizer steps on its own gradient: its moments differ per rank.
+        self.optimizer_state_per_rank = self._compresses_updates
+        self.supports_accumulation = not self._compresses_updates
+        self.weights_rows = self.memory is None and not self._compresses_updates
+
+    def saveable(self, optimizer):
+        # Called while the optimizer is being built, before its settings exist; whether the
+        # workers' optimizer states differ is decided at the first update. Restoring per-rank
+        # optimizer state is a no-op when none was saved.
+        return ReducerStateSaveable(self.state, optimizer)
+
+    def reduce(self, grads, variables, optimizer=None):
+        self._configure(optimizer_view(optimizer))
+        return super().reduce(grads, variables, optimizer)
 
     def _corrects(self, opt):
-        if opt.momentum == 0 or self.momentum_correction is False:
+        if opt.momentum == 0 or self.momentum_correction in (False, "update"):
             return False
         return self.momentum_correction is True or self.codec.name in _MOMENTUM_CORRECTED
 
@@ -124,9 +169,37 @@ class CompressedGradients(GradientReducer):
         return summed
 
     def _reduce(self, grads, variables, opt):
+        if self._compresses_updates:
+            return self._local_step(grads, variables)
         correct = self._corrects(opt)
         if correct and opt.clips:
             grads = self._clip_locally(grads, opt)
+        result = self._exchange(grads, variables, opt, correct)
+        return [g / self.communicator.size for g in result] if self.op == "average" else result
+
+    def _local_step(self, grads, variables):
+        """Update compression: this worker's optimizer steps on its own gradient; remember the
+        weights before the step (reads ordered before the optimizer's writes)."""
+        self._corrected = None
+        self._before_update = ([v for v in variables if v is not ROW_COUNT],
+                               [tf.identity(tf.convert_to_tensor(v)) for v in variables if v is not ROW_COUNT])
+        # Under a strategy Keras divided each worker's loss by the number of workers.
+        return [g * self.communicator.size for g in grads] if self.op == "sum" else grads
+
+    def after_update(self, variables):
+        """Update compression: exchange each worker's step; every rank moves by their average."""
+        if not self._compresses_updates or self._before_update is None:
+            return
+        updated, before = self._before_update
+        self._before_update = None
+        steps = [tf.convert_to_tensor(v) - b for v, b in zip(updated, before)]
+        summed = self._exchange(steps, updated, None, correct=False)
+        for variable, start, total in zip(updated, before, summed):
+            variable.assign(start + total / self.communicator.size)
+
+    def _exchange(self, grads, variables, opt, correct):
+        """The summed exchange of `grads` (one per variable): the large ones compressed after
+        any dense warm-up steps, the small ones dense; counts the step."""
         large = [i for i, g in enumerate(grads) if g.shape.num_elements() * 4 >= self.min_compress_bytes]
         small = [i for i in range(len(grads)) if i not in large]
         step = tf.convert_to_tensor(self._step)
@@ -151,7 +224,7 @@ class CompressedGradients(GradientReducer):
 
         result = list(grads)
         for i, g in zip(large + small, list(summed_large) + list(summed_small)):
-            result[i] = g / self.communicator.size if self.op == "average" else g
+            result[i] = g
         return result
 
     def _after_reduce(self, grads, variables, opt):

@@ -21,6 +21,7 @@ class OptimizerView:
     clipnorm: float | None
     global_clipnorm: float | None
     learning_rate: object  # a callable returning the current learning rate (a tensor)
+    adaptive: bool = False  # not Keras's SGD: an optimizer with per-entry step sizes (Adam, RMSprop, ...)
 
     @property
     def clips(self):
@@ -44,7 +45,8 @@ def view(optimizer):
         momentum=float(inner.momentum) if is_sgd else 0.0,
         nesterov=bool(inner.nesterov) if is_sgd else False,
         clipnorm=inner.clipnorm, global_clipnorm=inner.global_clipnorm,
-        learning_rate=lambda: tf.convert_to_tensor(inner.learning_rate))
+        learning_rate=lambda: tf.convert_to_tensor(inner.learning_rate),
+        adaptive=not isinstance(inner, keras.optimizers.SGD))
 
 
 def gradient_for_update(delta, m, opt):
