@@ -45,7 +45,8 @@ def run_cell(cell, presets, seeds, epochs, report_epochs, with_sync=True):
     with tempfile.TemporaryDirectory() as out:
         ranks = _launch.run_job(WORKER, out, ["--dataset", dataset, "--model", model, "--optimizer", optimizer,
                                               "--batch-size", batch, "--epochs", epochs, "--report-epochs",
-                                              *report_epochs, "--seeds", *seeds, "--configs", *(["sync"] if with_sync else []), *presets],
+                                              *report_epochs, "--seeds", *seeds, "--configs",
+                                              *(["sync"] if with_sync else []), *presets],
                                 timeout=7200)
     return [dict(run, cell=cell) for run in ranks[0]]
 
@@ -111,7 +112,8 @@ def main():
     parser.add_argument("--out", default=str(HERE / "results" / "preset_grid"))
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out's json, run the rest")
     parser.add_argument("--replace", action="store_true",
-                        help="with --resume: in cells already run, run --presets again (not sync) and replace their runs")
+                        help="with --resume: in cells already run, run --presets again (not sync) "
+                             "and replace their runs")
     args = parser.parse_args()
     runs = json.loads(Path(f"{args.out}.json").read_text())["runs"] if args.resume else []
     done = {r["cell"] for r in runs}

@@ -66,7 +66,10 @@ def main():
     x_train, y_train, _, _ = load_digits_split(0)
     strategy = tfdp.strategy(args.preset)
     with strategy.scope():
-        optimizer = keras.optimizers.Adam(2e-3) if args.optimizer == "adam" else keras.optimizers.SGD(0.05, momentum=0.9)
+        if args.optimizer == "adam":
+            optimizer = keras.optimizers.Adam(2e-3)
+        else:
+            optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
         model = build_digits_model(optimizer)
     if args.forget_epoch and rank() == 0:
         os.unlink(os.path.join(args.backup, "training_metadata.json"))
