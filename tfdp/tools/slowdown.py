@@ -1,0 +1,99 @@
+"""Emulated heterogeneity: make one worker FACTOR times slower in compute with a CPU quota.
+
+A real CPU limit, not a sleep: the worker's whole process (every thread) joins a cgroup
+whose CFS quota is ``cpus / FACTOR`` CPUs, so it computes like a slower machine and its
+collectives still answer at once. cgroup v1 (``/sys/fs/cgroup/cpu/<group>/
+cpu.cfs_quota_us``) and v2 (``/sys/fs/cgroup/<group>/cpu.max``) both work; either needs
+root. ``tfdp bench --slowdown 1:2`` and the balance tests use it through the environment
+variable ``TFDP_SLOWDOWN`` (``RANK:FACTOR[,RANK:FACTOR...]``), read by each worker at start.
+
+Example:
+    >>> parse_slowdown("1:2,3:1.5")
+    {1: 2.0, 3: 1.5}
+"""
+
+import os
+from pathlib import Path
+
+SLOWDOWN_ENV = "TFDP_SLOWDOWN"
+PERIOD_US = 100_000
+GROUP_PREFIX = "tfdp-slow-"
+V1_ROOT = Path("/sys/fs/cgroup/cpu")
+V2_ROOT = Path("/sys/fs/cgroup")
+
+
+def parse_slowdown(text):
+    """``"RANK:FACTOR,..."`` -> {rank: factor}; a clear ValueError on anything else."""
+    result = {}
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        rank, sep, factor = part.partition(":")
+        try:
+            rank, factor = int(rank), float(factor)
+        except ValueError:
+            rank = factor = None
+        if not sep or rank is None or rank < 0 or not factor >= 1.0:
+            raise ValueError(f"Bad slowdown {part!r}: expected RANK:FACTOR with RANK >= 0 and FACTOR >= 1, "
+                             "e.g. --slowdown 1:2 (rank 1 computes 2x slower).")
+        result[rank] = factor
+    return result
+
+
+def _layout():
+    if (V1_ROOT / "cpu.cfs_quota_us").exists():
+        return "v1"
+    if (V2_ROOT / "cgroup.controllers").exists() and "cpu" in (V2_ROOT / "cgroup.controllers").read_text():
+        return "v2"
+    return None
+
+
+def slow_down(pid, factor, cpus=1.0):
+    """Limit process `pid` (all its threads) to ``cpus / factor`` CPUs; return the cgroup's path."""
+    layout = _layout()
+    if layout is None:
+        raise RuntimeError("tfdp slowdown needs the cgroup cpu controller (v1 /sys/fs/cgroup/cpu or v2 "
+                           "/sys/fs/cgroup with 'cpu' in cgroup.controllers); none is mounted here.")
+    root = V1_ROOT if layout == "v1" else V2_ROOT
+    group = root / f"{GROUP_PREFIX}{pid}"
+    quota = max(1000, int(PERIOD_US * cpus / factor))
+    try:
+        group.mkdir(exist_ok=True)
+        if layout == "v1":
+            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        (group / "cgroup.procs").write_text(str(pid))
+    except PermissionError as err:
+        raise RuntimeError(f"tfdp slowdown: cannot write the cgroup {group} ({err}). It needs root; run as root "
+                           f"or drop --slowdown / {SLOWDOWN_ENV}.") from err
+    return group
+
+
+def apply_from_env(rank=None, cpus=None):
+    """Slow this process down if ``TFDP_SLOWDOWN`` names its rank; return the factor (1.0 if not).
+
+    `cpus` defaults to ``TF_NUM_INTRAOP_THREADS`` (the CPUs one worker would use), else 1.
+    """
+    text = os.environ.get(SLOWDOWN_ENV)
+    if not text:
+        return 1.0
+    rank = int(os.environ.get("HOROVOD_RANK", "0")) if rank is None else rank
+    factor = parse_slowdown(text).get(rank, 1.0)
+    if factor > 1.0:
+        cpus = cpus or float(os.environ.get("TF_NUM_INTRAOP_THREADS") or 1)
+        slow_down(os.getpid(), factor, cpus)
+    return factor
+
+
+def remove_groups():
+    """Remove the cgroups `slow_down` made whose processes have ended (call after a job)."""
+    layout = _layout()
+    if layout is None:
+        return
+    root = V1_ROOT if layout == "v1" else V2_ROOT
+    for group in root.glob(f"{GROUP_PREFIX}*"):
+        try:
+            if not (group / "cgroup.procs").read_text().strip():
+                group.rmdir()
+        except OSError:
+            pass
