@@ -117,3 +117,13 @@ def test_balanced_shares_beat_sync_when_one_worker_is_twice_as_slow(tmp_path):
     assert 0.25 <= balanced["shares"][1] <= 0.42
     assert balanced["speedup_vs_sync"] >= 1.25
     assert (tmp_path / "bench-shares.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_balanced_without_a_slow_worker_keeps_equal_shares_and_sync_speed(tmp_path):
+    out, _ = tfdp_cli("bench", "--presets", "sync", "balanced", "--workload", "cnn", "--batch-size", "64",
+                      "--steps", "30", "--warmup-steps", "60", "--out", str(tmp_path), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sync, balanced = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    print(f"\nno slowdown: balanced vs sync {balanced['speedup_vs_sync']:.3f}x, shares {balanced['shares']}")
+    assert all(abs(share - 0.5) <= 0.05 * 0.5 for share in balanced["shares"])
+    assert balanced["speedup_vs_sync"] >= 0.9

@@ -6,7 +6,10 @@ evenly; a smaller last batch splits as evenly as possible (ranks differ by at mo
 one row, and no row is dropped or repeated). Concatenating the ranks' rows in rank
 order gives back the global batch, which is how `predict` restores input order.
 Dense, sparse (`tf.SparseTensor`) and ragged (`tf.RaggedTensor`) inputs split by rows.
-With a `tfdp.strategies.balance.Balancer` the boundaries follow its weights instead.
+With a `tfdp.strategies.balance.Balancer` the boundaries follow its weights instead. Its
+weights are read when a batch is split, and the split is the last transformation of the
+dataset (evaluated by the step's own ``get_next``, after any prefetch): a change of weights
+between two steps applies to the next step on every rank alike.
 """
 
 import tensorflow as tf
