@@ -145,3 +145,14 @@ def test_a_worker_slowed_twofold_gets_about_a_third_of_each_batch(tmp_path):
     print(f"\nshares with rank 1 slowed 2x: {shares}; history {result['stats']['history']}")
     assert 0.20 <= shares[1] <= 0.42 and result["stats"]["changes"] >= 1
     assert max_relative(result["weights"], reference["weights"]) <= EXACT
+
+
+def test_balance_with_error_feedback_is_refused_and_named():
+    import tfdp
+
+    with pytest.raises(ValueError, match="error_feedback=False"):
+        tfdp.CompressedStrategy("fp16", balance=[1])
+    strategy = tfdp.CompressedStrategy("fp16", error_feedback=False, balance=[1])
+    assert strategy.balance_stats() is None  # one process: nothing to balance
+    with pytest.raises(ValueError, match="one weight per worker"):
+        tfdp.MirroredStrategy(balance=[0.5, 0.5])  # this process is a job of one worker

@@ -7,6 +7,7 @@
     --model mlp|conv    conv: a conv net with synchronized batch norm
     --batches N         train on the first N global batches of 64 rows (one epoch, shuffle=False)
     --unweighted        negative control: gradients averaged without weighting by rows
+    --bucket-bytes N    all-reduce gradients in buckets of about N bytes
 
 Rank r writes rank<r>.json: the final weights, the logged loss and accuracy, each rank's
 rows per step and `balance_stats()`.
@@ -58,6 +59,7 @@ def main():
     parser.add_argument("--model", choices=["mlp", "conv"], default="mlp")
     parser.add_argument("--batches", type=int, default=23)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--bucket-bytes", type=int, help="MirroredStrategy(bucket_bytes=...)")
     parser.add_argument("--unweighted", action="store_true",
                         help="negative control: the gradient exchange ignores the rows (a plain mean)")
     args = parser.parse_args()
@@ -67,9 +69,11 @@ def main():
     rows = min(len(x), args.batches * BATCH)
     x, y = x[:rows], y[:rows]
     strategy = None
-    if args.balance:
-        balance = "auto" if args.balance == "auto" else [float(w) for w in args.balance.split(",")]
-        strategy = tfdp.MirroredStrategy(balance=balance)
+    if args.balance or args.bucket_bytes:
+        balance = None
+        if args.balance:
+            balance = "auto" if args.balance == "auto" else [float(w) for w in args.balance.split(",")]
+        strategy = tfdp.MirroredStrategy(balance=balance, bucket_bytes=args.bucket_bytes)
         if args.unweighted:
             strategy.gradient_reducer.weights_rows = False
         with strategy.scope():
@@ -86,6 +90,7 @@ def main():
         "evaluate": {k: float(v) for k, v in evaluation.items()},
         "epoch_rows": counter.rows,
         "stats": strategy.balance_stats() if strategy is not None else None,
+        "collectives": strategy.communication_stats()["collectives"] if strategy is not None else None,
         "steps": int(model.optimizer.iterations.numpy()),
         "rows": rows,
     })

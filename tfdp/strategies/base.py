@@ -44,7 +44,7 @@ class HorovodStrategy(tf.distribute.Strategy):
     @staticmethod
     def _balancer(balance, communicator, reducer):
         weights = check_balance(balance, communicator.size)
-        if weights is None or communicator.size == 1:
+        if weights is None:
             return None
         if not reducer.weights_rows:
             raise ValueError(
@@ -52,7 +52,7 @@ class HorovodStrategy(tf.distribute.Strategy):
                 f"tfdp's {reducer.description} does not (error feedback keeps residuals across steps, and "
                 "asynchronous exchanges apply gradients later). Use tfdp.MirroredStrategy(balance=...), or "
                 "CompressedStrategy with error_feedback=False.")
-        return Balancer(communicator, weights)
+        return None if communicator.size == 1 else Balancer(communicator, weights)
 
     def balance_stats(self):
         """The shares of every global batch (``balance``): current shares, measured speeds, changes.
