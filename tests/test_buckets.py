@@ -24,7 +24,8 @@ def test_bad_bucket_bytes_names_the_problem(bad):
 @pytest.mark.multiprocess
 def test_buckets_give_bit_identical_weights_with_more_collectives(tmp_path):
     results = {}
-    for name, extra in (("one-group", ["--balance", "1,1"]), ("buckets", ["--balance", "1,1", "--bucket-bytes", "512"])):
+    cases = (("one-group", ["--balance", "1,1"]), ("buckets", ["--balance", "1,1", "--bucket-bytes", "512"]))
+    for name, extra in cases:
         out = tmp_path / name
         out.mkdir()
         assert_ok(run_workers("balance.py", 2, ["--out", out, "--model", "mlp", *extra], timeout=240))

@@ -90,7 +90,7 @@ def compute_time(compute_seconds, speeds, balanced):
 
 def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, speeds=None):
     """Predicted `Prediction` for the preset named `preset`; `speeds`: each worker's relative speed."""
-    spec = presets.load_preset(preset)
+    spec = presets.load_variant(preset)
     options, kind = spec["options"], spec["strategy"]
     if speeds is not None and len(speeds) != workers:
         raise ValueError(f"`speeds` needs one relative speed per worker ({workers}). Received: {speeds!r}")

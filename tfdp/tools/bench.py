@@ -72,7 +72,7 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
     from tqdm import tqdm
 
     for name in preset_names:
-        presets.load_preset(name)  # An unknown preset fails now, before any job starts.
+        presets.load_variant(name)  # An unknown preset fails now, before any job starts.
     if slowdown:
         slowdown = ",".join(f"{r}:{f:g}" for r, f in parse_slowdown(slowdown).items())  # a bad one fails now
     if workers < 2:

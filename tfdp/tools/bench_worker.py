@@ -104,7 +104,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
     slowdown = apply_from_env()  # before any work: the whole process computes FACTOR times slower
     strategy = tfdp.strategy(preset)
     # A preset's own dense warm-up steps are not its steady state.
-    warmup_steps += tfdp.presets.load_preset(preset)["options"].get("warmup_steps", 0)
+    warmup_steps += tfdp.presets.load_variant(preset)["options"].get("warmup_steps", 0)
     keras.utils.set_random_seed(0)
     probe = StepProbe(strategy)
     if workload == "digits":
