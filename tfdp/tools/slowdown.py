@@ -18,8 +18,9 @@ from pathlib import Path
 SLOWDOWN_ENV = "TFDP_SLOWDOWN"
 PERIOD_US = 100_000
 GROUP_PREFIX = "tfdp-slow-"
-V1_ROOT = Path("/sys/fs/cgroup/cpu")
-V2_ROOT = Path("/sys/fs/cgroup")
+# `ip netns exec` (emulated hosts) mounts a fresh /sys without the cgroup file systems; the
+# host's are still reachable through PID 1's root (same PID namespace, root only).
+CGROUP_MOUNTS = (Path("/sys/fs/cgroup"), Path("/proc/1/root/sys/fs/cgroup"))
 
 
 def parse_slowdown(text):
@@ -39,20 +40,26 @@ def parse_slowdown(text):
 
 
 def _layout():
-    if (V1_ROOT / "cpu.cfs_quota_us").exists():
-        return "v1"
-    if (V2_ROOT / "cgroup.controllers").exists() and "cpu" in (V2_ROOT / "cgroup.controllers").read_text():
-        return "v2"
+    """("v1" or "v2", the directory groups are made in), or None without a cgroup cpu controller."""
+    for mount in CGROUP_MOUNTS:
+        try:
+            if (mount / "cpu" / "cpu.cfs_quota_us").exists():
+                return "v1", mount / "cpu"
+            controllers = mount / "cgroup.controllers"
+            if controllers.exists() and "cpu" in controllers.read_text().split():
+                return "v2", mount
+        except OSError:
+            continue
     return None
 
 
 def slow_down(pid, factor, cpus=1.0):
     """Limit process `pid` (all its threads) to ``cpus / factor`` CPUs; return the cgroup's path."""
-    layout = _layout()
-    if layout is None:
+    found = _layout()
+    if found is None:
         raise RuntimeError("tfdp slowdown needs the cgroup cpu controller (v1 /sys/fs/cgroup/cpu or v2 "
                            "/sys/fs/cgroup with 'cpu' in cgroup.controllers); none is mounted here.")
-    root = V1_ROOT if layout == "v1" else V2_ROOT
+    layout, root = found
     group = root / f"{GROUP_PREFIX}{pid}"
     quota = max(1000, int(PERIOD_US * cpus / factor))
     try:
@@ -87,11 +94,10 @@ def apply_from_env(rank=None, cpus=None):
 
 def remove_groups():
     """Remove the cgroups `slow_down` made whose processes have ended (call after a job)."""
-    layout = _layout()
-    if layout is None:
+    found = _layout()
+    if found is None:
         return
-    root = V1_ROOT if layout == "v1" else V2_ROOT
-    for group in root.glob(f"{GROUP_PREFIX}*"):
+    for group in found[1].glob(f"{GROUP_PREFIX}*"):
         try:
             if not (group / "cgroup.procs").read_text().strip():
                 group.rmdir()
