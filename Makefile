@@ -1,7 +1,7 @@
 # All set-up happens in tools/setup_env.sh (idempotent: a second run takes seconds).
 PY := .venv/bin/python
 
-.PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts
+.PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts bench-balance
 setup:
 	bash tools/setup_env.sh
 
@@ -40,3 +40,13 @@ bench-hosts: setup
 		--out $(RESULTS)/loopback-cnn
 	.venv/bin/tfdp bench --presets sync fp16 topk-1pct async-s1 --workload digits --rate-mbit 100 \
 		--epochs 15 --target-accuracy 0.95 --out $(RESULTS)/hosts-100mbit-digits
+
+# Heterogeneous workers (root): rank 1 under a CPU quota of half a CPU, balanced against sync,
+# then the same without a slow worker, then 4 workers.
+bench-balance: setup
+	.venv/bin/tfdp bench --presets sync balanced --workload cnn --batch-size 64 --rate-mbit 1000 \
+		--steps 40 --warmup-steps 60 --slowdown 1:2 --out $(RESULTS)/hosts-balanced-slow1x2
+	.venv/bin/tfdp bench --presets sync balanced --workload cnn --batch-size 64 --rate-mbit 1000 \
+		--steps 40 --warmup-steps 60 --out $(RESULTS)/hosts-balanced-noslow
+	.venv/bin/tfdp bench --presets sync balanced -np 4 --workload cnn --batch-size 64 --rate-mbit 1000 \
+		--steps 40 --warmup-steps 60 --slowdown 1:2 --out $(RESULTS)/hosts-balanced-4workers-slow1x2

@@ -4,7 +4,8 @@ Configurations are shipped presets, optionally with explicit overrides
 (``topk-1pct:compressor.ratio=0.001,error_feedback=false``; see `tfdp.presets`). For every
 run, rank r appends to ``<out>/rank<r>.json`` the test accuracy after each of
 ``--report-epochs`` (one training serves a short and a long budget), the median seconds
-per step, the gradient and dense bytes per step and the communication statistics. Used by
+per step, the gradient and dense bytes per step and the communication statistics. With
+``TFDP_SLOWDOWN=1:2`` rank 1 computes 2x slower (`tfdp.tools.slowdown`). Used by
 ``benchmarks/preset_grid.py``, ``benchmarks/compression.py`` and the convergence tests.
 
     horovodrun -np 2 -H localhost:2 --gloo python benchmarks/_preset_worker.py --out /tmp/c \\
@@ -25,6 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
+from tfdp.tools.slowdown import apply_from_env  # noqa: E402
 from tfdp.tools.workloads import DATASETS, build_classifier_mlp, build_digits_model  # noqa: E402
 
 CLASSES = {"digits": 10, "breast_cancer": 2}
@@ -92,6 +94,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64, help="global batch")
     args = parser.parse_args()
     args.report_epochs = args.report_epochs or [args.epochs]
+    apply_from_env()  # TFDP_SLOWDOWN=RANK:FACTOR: that worker computes FACTOR x slower (root)
     for config in args.configs:
         tfdp.presets.resolve_variant(config)  # an unknown preset fails before any training
 

@@ -87,3 +87,14 @@ def test_cli_prints_a_recommendation(capsys):
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_worker_speeds_make_equal_shares_wait_for_the_slowest_and_balanced_shares_add_up():
+    shapes = [(1000, 100)]
+    fast = advisor.predict("sync", shapes, 2, 1e12, 0.060)
+    sync = advisor.predict("sync", shapes, 2, 1e12, 0.060, speeds=[1.0, 0.5])
+    balanced = advisor.predict("balanced", shapes, 2, 1e12, 0.060, speeds=[1.0, 0.5])
+    assert sync.seconds_per_step == pytest.approx(fast.seconds_per_step + 0.060)  # 60 ms at half speed
+    assert balanced.seconds_per_step == pytest.approx(fast.seconds_per_step - 0.060 + 0.080)  # 60 x 2 / 1.5
+    with pytest.raises(ValueError, match="one relative speed per worker"):
+        advisor.predict("sync", shapes, 2, 1e12, 0.060, speeds=[1.0])

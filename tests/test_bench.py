@@ -99,3 +99,31 @@ def test_advise_check_measures_its_recommendation_against_sync(tmp_path):
     # The recommendation was right: it measured faster than sync on this link.
     assert measured[recommended]["median_ms"] < measured["sync"]["median_ms"]
     assert "measured/predicted" in out.stdout
+
+
+@needs_root
+def test_balanced_shares_beat_sync_when_one_worker_is_twice_as_slow(tmp_path):
+    """One `tfdp bench` run on emulated hosts, rank 1 under a CPU quota of half a CPU: balanced
+    must be clearly faster per global batch than sync's equal split (ideal 1.5x), with the slow
+    worker's share near 1/3; sync's shares stay equal."""
+    out, _ = tfdp_cli("bench", "--presets", "sync", "balanced", "--workload", "cnn", "--batch-size", "64",
+                      "--rate-mbit", "1000", "--steps", "30", "--warmup-steps", "60", "--slowdown", "1:2",
+                      "--out", str(tmp_path), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sync, balanced = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    print(f"\nbalanced vs sync: {balanced['speedup_vs_sync']:.2f}x, shares {balanced['shares']}, "
+          f"busy ms {balanced['busy_ms']}")
+    assert sync["shares"] == [0.5, 0.5]
+    assert 0.25 <= balanced["shares"][1] <= 0.42
+    assert balanced["speedup_vs_sync"] >= 1.25
+    assert (tmp_path / "bench-shares.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_balanced_without_a_slow_worker_keeps_equal_shares_and_sync_speed(tmp_path):
+    out, _ = tfdp_cli("bench", "--presets", "sync", "balanced", "--workload", "cnn", "--batch-size", "64",
+                      "--steps", "30", "--warmup-steps", "60", "--out", str(tmp_path), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sync, balanced = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    print(f"\nno slowdown: balanced vs sync {balanced['speedup_vs_sync']:.3f}x, shares {balanced['shares']}")
+    assert all(abs(share - 0.5) <= 0.05 * 0.5 for share in balanced["shares"])
+    assert balanced["speedup_vs_sync"] >= 0.9

@@ -50,8 +50,6 @@ def test_progress_bar_only_on_rank0_even_with_worker_stdout_on():
 
 @pytest.mark.full
 @pytest.mark.timeout(3000)
-@pytest.mark.xfail(strict=True, reason="issue 12 is open: with Adam, topk-1pct (-6.9 pp), qsgd (-2.5) and efsign "
-                                       "(-1.1) fall more than a point below sync on this example (measured once)")
 def test_every_shipped_preset_trains_the_example_within_a_point_of_sync():
     # Issue 12's acceptance: `tfdp run -np 2 --strategy P examples/digits.py`, as a user types it.
     import tfdp

@@ -121,18 +121,28 @@ def _override(options, dotted, value):
     node[last] = value
 
 
+def load_variant(text):
+    """`load_preset` of a preset or variant: its options with the overrides applied.
+
+    Example:
+        >>> load_variant("sync:bucket_bytes=262144")["options"]
+        {'bucket_bytes': 262144}
+    """
+    name, overrides = parse_variant(text)
+    preset = copy.deepcopy(load_preset(name))
+    for dotted, value in overrides.items():
+        _override(preset["options"], dotted, value)
+    return preset
+
+
 def resolve_variant(text):
     """Return ``(strategy class, options)`` of a preset or variant, validated.
 
     Raises:
         ValueError: unknown preset, malformed overrides.
     """
-    name, overrides = parse_variant(text)
-    preset = load_preset(name)
-    options = copy.deepcopy(preset["options"])
-    for dotted, value in overrides.items():
-        _override(options, dotted, value)
-    return _strategy_classes()[preset["strategy"]], options
+    preset = load_variant(text)
+    return _strategy_classes()[preset["strategy"]], preset["options"]
 
 
 def strategy(name=None):

@@ -36,12 +36,14 @@ def strategy_factory(mode):
         return lambda: strategy
     import tfdp
 
+    if mode == "tfdp-balanced":  # uneven static shares: rank 0 gets 70% of every batch
+        return lambda: tfdp.MirroredStrategy(balance=[0.7, 0.3])
     return tfdp.MirroredStrategy
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--modes", nargs="+", choices=["plain", "tf-mirrored", "tfdp"], required=True)
+    parser.add_argument("--modes", nargs="+", choices=["plain", "tf-mirrored", "tfdp", "tfdp-balanced"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--programs", nargs="*", help="default: all, in definition order")
     args = parser.parse_args()

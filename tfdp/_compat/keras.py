@@ -71,6 +71,16 @@ class StrategyHooks(abc.ABC):
     def step_failed(self, error):
         """A training step raised `error` (a TensorFlow op error); say what is known, then it propagates."""
 
+    def evaluation_step(self, data):
+        """A context manager around one Keras test step on this rank's `data`."""
+        return contextlib.nullcontext()
+
+    def gradients_ready(self, grads):
+        """Inside a training step: this rank's gradients exist (before any exchange)."""
+
+    def metrics_reset(self):
+        """Keras reset the model's metrics (start of an epoch, of evaluate)."""
+
 
 INFINITE, UNKNOWN = -1, -2  # tf.data's cardinality codes
 
@@ -139,6 +149,9 @@ def _reduce(reducer, grads, variables, optimizer):
     if variables is None:
         raise RuntimeError("tfdp: gradients reached Keras's clipping outside `_backend_apply_gradients`; "
                            "this Keras version calls its hooks in an order tfdp does not know.")
+    hooks = _strategy_hooks(getattr(optimizer, "_distribution_strategy", None))
+    if hooks is not None:
+        hooks.gradients_ready(grads)
     return reducer.reduce(list(grads), list(variables), optimizer)
 
 
@@ -471,6 +484,50 @@ def _patch_train_function():
     tf_trainer.TensorFlowTrainer.make_train_function = make_train_function
 
 
+def _patch_test_function():
+    # keras/src/backend/tensorflow/trainer.py: `make_test_function` builds the test function
+    # from `self.test_step` with `_make_function`; tfdp wraps the step so the strategy can
+    # count this rank's rows (step logs under uneven shares are weighted by them).
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original = tf_trainer.TensorFlowTrainer.make_test_function
+
+    @functools.wraps(original)
+    def make_test_function(self, force=False):
+        hooks = _strategy_hooks(self._distribute_strategy)
+        if hooks is None or (self.test_function is not None and not force):
+            return original(self, force)
+        step = self.test_step
+
+        def test_step(data):
+            with hooks.evaluation_step(data):
+                return step(data)
+
+        self.test_function = self._make_function(test_step)
+        return self.test_function
+
+    make_test_function._tfdp_original = original
+    tf_trainer.TensorFlowTrainer.make_test_function = make_test_function
+
+
+def _patch_reset_metrics():
+    # keras/src/trainers/trainer.py: `reset_metrics` runs at the start of every epoch and
+    # of evaluate; the strategy resets what it counts alongside the metrics.
+    from keras.src.trainers import trainer
+
+    original = trainer.Trainer.reset_metrics
+
+    @functools.wraps(original)
+    def reset_metrics(self):
+        original(self)
+        hooks = _strategy_hooks(getattr(self, "_distribute_strategy", None))
+        if hooks is not None:
+            hooks.metrics_reset()
+
+    reset_metrics._tfdp_original = original
+    trainer.Trainer.reset_metrics = reset_metrics
+
+
 def _patch_on_batch():
     # keras/src/backend/tensorflow/trainer.py: `train_on_batch(x, y, sample_weight,
     # class_weight, return_dict)`, `test_on_batch(x, y, sample_weight, return_dict)` and
@@ -610,6 +667,8 @@ def install():
     _patch_epoch_iterator()
     _patch_on_batch()
     _patch_train_function()
+    _patch_test_function()
+    _patch_reset_metrics()
     _installed = True
 
 
@@ -619,6 +678,7 @@ def hooked_functions():
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.callbacks import callback_list
     from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+    from keras.src.trainers import trainer
 
     return [
         (base_optimizer.BaseOptimizer, "_clip_gradients"),
@@ -636,5 +696,7 @@ def hooked_functions():
         (tf_trainer.TensorFlowTrainer, "test_on_batch"),
         (tf_trainer.TensorFlowTrainer, "predict_on_batch"),
         (tf_trainer.TensorFlowTrainer, "make_train_function"),
+        (tf_trainer.TensorFlowTrainer, "make_test_function"),
+        (trainer.Trainer, "reset_metrics"),
     ]
 

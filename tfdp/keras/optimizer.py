@@ -4,12 +4,13 @@ from tfdp import _compat
 from tfdp._compat.keras import bind_reducer, bound_reducer
 from tfdp.comm import HorovodCommunicator
 from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES, AllReduceGradients, compressed_reducer_factory
+from tfdp.reducers.allreduce import check_bucket_bytes
 
 _OPS = ("average", "sum")
 
 
 def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  # noqa: N802 (Horovod's name)
-                         compression=None, error_feedback=True):
+                         compression=None, error_feedback=True, bucket_bytes=None):
     """Make `optimizer` average its gradients across Horovod workers before each update.
 
     For custom training loops and for `fit` without a tfdp strategy. The optimizer
@@ -29,6 +30,8 @@ def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  #
             0.01}``, a `tfdp.compression` codec).
         error_feedback: with `compression`, keep what compression dropped and send
             it later (False for randomk).
+        bucket_bytes: without `compression`, all-reduce in buckets of about this many
+            bytes, last layers first, overlapping backprop (see `tfdp.MirroredStrategy`).
 
     Returns:
         `optimizer`, with ``optimizer.communication_stats()`` added.
@@ -57,8 +60,10 @@ def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  #
                 "and has no `gradient_accumulation_steps` of its own."
             )
         optimizer.gradient_accumulation_steps = backward_passes_per_step
+    check_bucket_bytes(bucket_bytes)
     if compression is None:
-        make_reducer = lambda communicator: AllReduceGradients(communicator, op=op)  # noqa: E731
+        make_reducer = lambda communicator: AllReduceGradients(communicator, op=op,  # noqa: E731
+                                                               bucket_bytes=bucket_bytes)
     else:
         make_reducer = compressed_reducer_factory(
             compression, error_feedback, warmup_steps=0,

@@ -59,6 +59,11 @@ def rows_of_this_step(rows):
         _step.rows = previous
 
 
+def rows_in_this_step():
+    """This rank's rows inside a Keras training step (a scalar tensor), else None."""
+    return getattr(_step, "rows", None)
+
+
 class _RowCountSlot:
     """Stands in for a variable beside the row count exchanged with the gradients."""
 

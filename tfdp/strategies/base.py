@@ -13,6 +13,7 @@ from tfdp._compat.keras import gradients_reduced
 from tfdp._compat.tensorflow import global_seed, local_variable
 from tfdp.comm import HorovodCommunicator
 from tfdp.strategies import output
+from tfdp.strategies.balance import Balancer, Rebalance, check_balance
 from tfdp.strategies.extended import HorovodExtended
 from tfdp.strategies.settle import SettleState
 from tfdp.strategies.watchdog import StepWatchdog, lost_hosts, timeout_from_env
@@ -23,13 +24,15 @@ class HorovodStrategy(tf.distribute.Strategy):
 
     _collective_key_base = 0  # Read by MirroredExtended.__init__; tfdp uses no TF collectives.
 
-    def __init__(self, make_reducer, global_step_logs=True, skip_nonfinite=False):
+    def __init__(self, make_reducer, global_step_logs=True, skip_nonfinite=False, balance=None):
         _compat.install()
         for name, value in (("global_step_logs", global_step_logs), ("skip_nonfinite", skip_nonfinite)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
         communicator = HorovodCommunicator()
-        super().__init__(HorovodExtended(self, communicator, make_reducer(communicator), global_step_logs))
+        reducer = make_reducer(communicator)
+        balancer = self._balancer(balance, communicator, reducer)
+        super().__init__(HorovodExtended(self, communicator, reducer, global_step_logs, balancer))
         self._step_timeout_seconds = timeout_from_env()  # A bad value fails here, on every rank.
         if skip_nonfinite:
             self.extended.skipped_steps = local_variable(lambda: tf.constant(0, tf.int64), "tfdp_skipped_steps")
@@ -37,6 +40,31 @@ class HorovodStrategy(tf.distribute.Strategy):
             self._share_random_seed(communicator)
         self._hosts = self._gather_hosts() if cross_size() > 1 else None
         output.follow_rank(communicator.rank, communicator.size)
+
+    @staticmethod
+    def _balancer(balance, communicator, reducer):
+        weights = check_balance(balance, communicator.size)
+        if weights is None:
+            return None
+        if not reducer.weights_rows:
+            raise ValueError(
+                f"balance={balance!r} needs a gradient exchange that weights each worker by its rows; "
+                f"tfdp's {reducer.description} does not (error feedback keeps residuals across steps, and "
+                "asynchronous exchanges apply gradients later). Use tfdp.MirroredStrategy(balance=...), or "
+                "CompressedStrategy with error_feedback=False.")
+        return None if communicator.size == 1 else Balancer(communicator, weights)
+
+    def balance_stats(self):
+        """The shares of every global batch (``balance``): current shares, measured speeds, changes.
+
+        Returns:
+            dict with ``shares`` (one fraction per worker), ``speeds_rows_per_second``
+            (each worker's measured rows per second of compute at the last estimate, or
+            None), ``changes`` (how often the shares changed) and ``history`` (step and
+            shares at each change); None without ``balance``.
+        """
+        balancer = self.extended.balancer
+        return None if balancer is None else balancer.stats()
 
     @staticmethod
     def _share_random_seed(communicator):
@@ -84,6 +112,8 @@ class HorovodStrategy(tf.distribute.Strategy):
     def training_callbacks(self, model=None, callbacks=()):
         """Callbacks tfdp adds (first, on every rank) to `fit`, `evaluate` and `predict`."""
         extra = [SettleState(self, callbacks)]
+        if self.extended.balancer is not None and self.extended.balancer.auto:
+            extra.append(Rebalance(self.extended.balancer))
         if self.extended.communicator.size > 1:
             extra.append(StepWatchdog(self.rank, self._step_timeout_seconds, self._hosts))
         return extra

@@ -28,6 +28,8 @@ class CompressedStrategy(HorovodStrategy):
             rather than its gradient in the residual and steer the optimizer's momentum
             (Deep Gradient Compression); ``"auto"``: for top-k, random-k and EF-sign. See
             `tfdp.reducers.CompressedGradients`.
+        balance: as in `tfdp.MirroredStrategy`; only with ``error_feedback=False``
+            (a residual kept across steps is not weighted by rows).
 
     Example:
         >>> strategy = tfdp.CompressedStrategy({"name": "topk", "ratio": 0.01})
@@ -37,11 +39,12 @@ class CompressedStrategy(HorovodStrategy):
     """
 
     def __init__(self, compressor="fp16", error_feedback=True, warmup_steps=0,
-                 min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, global_step_logs=True, momentum_correction="auto"):
+                 min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, global_step_logs=True, momentum_correction="auto",
+                 balance=None):
         make_reducer = compressed_reducer_factory(
             compressor, error_feedback, warmup_steps, min_compress_bytes, op="sum",
             momentum_correction=momentum_correction)
-        super().__init__(make_reducer, global_step_logs=global_step_logs)
+        super().__init__(make_reducer, global_step_logs=global_step_logs, balance=balance)
 
     @property
     def codec(self):

@@ -6,6 +6,10 @@ evenly; a smaller last batch splits as evenly as possible (ranks differ by at mo
 one row, and no row is dropped or repeated). Concatenating the ranks' rows in rank
 order gives back the global batch, which is how `predict` restores input order.
 Dense, sparse (`tf.SparseTensor`) and ragged (`tf.RaggedTensor`) inputs split by rows.
+With a `tfdp.strategies.balance.Balancer` the boundaries follow its weights instead. Its
+weights are read when a batch is split, and the split is the last transformation of the
+dataset (evaluated by the step's own ``get_next``, after any prefetch): a change of weights
+between two steps applies to the next step on every rank alike.
 """
 
 import tensorflow as tf
@@ -39,15 +43,19 @@ def _slice_rows(t, start, stop):
     return t[start:stop]
 
 
-def take_rows(structure, rank, size):
+def take_rows(structure, rank, size, balancer=None):
     """This rank's rows of one global batch (any nest of dense, sparse or ragged tensors)."""
     flat = [t for t in tf.nest.flatten(structure, expand_composites=False) if t is not None]
     n = num_rows(flat[0])
-    start, stop = rank_rows(n, rank, size)
+    if balancer is None:
+        start, stop = rank_rows(n, rank, size)
+    else:
+        bounds = balancer.bounds(n)
+        start, stop = bounds[rank], bounds[rank + 1]
     return tf.nest.map_structure(lambda t: None if t is None else _slice_rows(t, start, stop), structure)
 
 
-def shard_global_batches(dataset, rank, size):
+def shard_global_batches(dataset, rank, size, balancer=None):
     """Return a dataset yielding this rank's rows of every global batch of `dataset`.
 
     Example:
@@ -58,5 +66,5 @@ def shard_global_batches(dataset, rank, size):
     if size == 1:
         return dataset
     if isinstance(dataset.element_spec, tuple):
-        return dataset.map(lambda *batch: take_rows(batch, rank, size))
-    return dataset.map(lambda batch: take_rows(batch, rank, size))
+        return dataset.map(lambda *batch: take_rows(batch, rank, size, balancer))
+    return dataset.map(lambda batch: take_rows(batch, rank, size, balancer))

@@ -7,6 +7,7 @@ collective of the strategy's `Communicator`. It also implements `tfdp._compat.ke
 StrategyHooks`, what tfdp's Keras hooks ask of a strategy.
 """
 
+import contextlib
 import sys
 import zlib
 
@@ -15,7 +16,7 @@ import tensorflow as tf
 
 from tfdp._compat.keras import UNKNOWN, StrategyHooks
 from tfdp._compat.tensorflow import Mirrored, MirroredExtended, in_xla_context, local_variable
-from tfdp.reducers.base import rows_of_this_step
+from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, take_rows
 
@@ -46,13 +47,29 @@ def _describe_spec(element_spec):
     return ", ".join(parts)
 
 
+class _ReplicaContext(tf.distribute.ReplicaContext):
+    """The replica context of a tfdp step: in-step sums (synchronized batch norm) whose backward
+    pass matches the reducer's weighting of each rank's gradient by its rows."""
+
+    def all_reduce(self, reduce_op, value, options=None):
+        extended = self._strategy.extended
+        rows = rows_in_this_step()
+        flat = tf.nest.flatten(value)
+        if (rows is None or extended._size == 1 or extended._op_name(reduce_op) != "sum"
+                or not extended.gradient_reducer.weights_rows
+                or any(isinstance(v, tf.IndexedSlices) for v in flat)):
+            return super().all_reduce(reduce_op, value, options)
+        return tf.nest.pack_sequence_as(value, extended._sum_with_rows_weighted_backward(flat, rows))
+
+
 class HorovodExtended(MirroredExtended, StrategyHooks):
     """`tf.distribute` internals of the tfdp strategies: one local replica per worker."""
 
-    def __init__(self, container_strategy, communicator, gradient_reducer, global_step_logs=True):
+    def __init__(self, container_strategy, communicator, gradient_reducer, global_step_logs=True, balancer=None):
         self.communicator = communicator
         self.gradient_reducer = gradient_reducer
         self.global_step_logs = global_step_logs
+        self.balancer = balancer
         self.skipped_steps = None
         self._rank = communicator.rank
         self._size = communicator.size
@@ -87,7 +104,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         # One local replica: run it inline, as TF's default strategy does. Unlike
         # MirroredStrategy's replica threads, an inline ReplicaContext can merge_call
         # from inside cond branches (LossScaleOptimizer updates variables there).
-        with tf.distribute.ReplicaContext(self._container_strategy(), replica_id_in_sync_group=self._rank):
+        with _ReplicaContext(self._container_strategy(), replica_id_in_sync_group=self._rank):
             return fn(*args, **kwargs)
 
     def _get_local_replica_id(self, replica_id_in_sync_group):
@@ -159,6 +176,39 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         return self._all_reduce_structure(reduce_op, value)
 
+    def _sum_with_rows_weighted_backward(self, tensors, rows):
+        """A sum across ranks (synchronized batch norm's statistics) whose backward pass weights
+        each rank's upstream gradient by its rows: the gradient reducer weights rank r's
+        gradient by its rows r, so the part of it that flows back from rank s's loss through
+        the sum must arrive scaled by rows s / rows r. Equal rows: the plain sum's backward."""
+        allreduce = self._in_step_allreduce
+
+        @tf.custom_gradient
+        def summed(*values):
+            def backward(*upstream):
+                weight = tf.cast(rows, tf.float32)
+                sums = allreduce([u * tf.cast(weight, u.dtype) for u in upstream])
+                return [tf.math.divide_no_nan(s, tf.cast(weight, s.dtype)) for s in sums]
+
+            return allreduce(list(values)), backward
+
+        return summed(*tensors)
+
+    def _in_step_allreduce(self, tensors):
+        """A sum inside a training step; under ``balance="auto"`` the time it waits for slower
+        ranks is not counted as this rank's compute."""
+        balancer = self.balancer
+        if balancer is None or not balancer.auto:
+            return self.communicator.allreduce(tensors, op="sum")
+        with tf.control_dependencies(tensors):
+            start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            tensors = [tf.identity(t) for t in tensors]
+        summed = self.communicator.allreduce(tensors, op="sum")
+        with tf.control_dependencies(summed):
+            balancer.waited(tf.timestamp() - start)
+        return summed
+
     def _reduce_to(self, reduce_op, value, destinations, options):
         if isinstance(value, Mirrored) and self._op_name(reduce_op) == "average":
             return self._local(value)  # Already the same on every worker.
@@ -212,6 +262,8 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         flat = tf.nest.flatten(values)
         floats = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_floating]
         ints = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_integer]
+        if self.balancer is not None and op == "average" and floats:
+            return self._rows_weighted_average(values, flat, floats)
         # With steps_per_execution > 1 Keras runs steps in a tf.while_loop. Nothing orders
         # one step's output all-reduce after the previous step's (the gradient exchange is
         # ordered by the variable updates), and Horovod refuses a collective whose name is
@@ -225,6 +277,19 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             flat[i] = r
         for i, r in zip(ints, summed):
             flat[i] = tf.math.truncatediv(r, tf.cast(self._size, r.dtype)) if op == "average" else r
+        return tf.nest.pack_sequence_as(values, flat)
+
+    def _rows_weighted_average(self, values, flat, floats):
+        """Step logs under uneven shares: each rank's running means weighted by its rows of the epoch."""
+        rows = tf.cast(self.balancer.epoch_rows.read_value(), tf.float32)
+        with tf.control_dependencies([self._outputs_fence.read_value()]):
+            summed = self.communicator.allreduce(
+                [tf.cast(flat[i], tf.float32) * rows for i in floats] + [tf.reshape(rows, [])], op="sum")
+        with tf.control_dependencies(summed):
+            self._outputs_fence.assign_add(1)
+        *summed, total = summed
+        for i, value in zip(floats, summed):
+            flat[i] = tf.cast(tf.math.divide_no_nan(value, total), flat[i].dtype)
         return tf.nest.pack_sequence_as(values, flat)
 
     def check_batch_size(self, batch_size):
@@ -278,12 +343,30 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
 
     def training_step(self, data):
         first = next(t for t in tf.nest.flatten(data) if t is not None)
-        return rows_of_this_step(num_rows(first))
+        rows = num_rows(first)
+        if self.balancer is not None:
+            self.balancer.step_started(data, rows)
+        return rows_of_this_step(rows)
+
+    def evaluation_step(self, data):
+        if self.balancer is not None:
+            first = next(t for t in tf.nest.flatten(data) if t is not None)
+            self.balancer.step_started(data, num_rows(first), timed=False)
+        return contextlib.nullcontext()
+
+    def gradients_ready(self, grads):
+        if self.balancer is not None:
+            self.balancer.gradients_ready(grads)
+
+    def metrics_reset(self):
+        if self.balancer is not None:
+            self.balancer.epoch_rows.assign(0)
 
     def split_batch(self, structure):
         if self._size == 1 or structure is None:
             return structure
-        return take_rows(tf.nest.map_structure(tf.convert_to_tensor, structure), self._rank, self._size)
+        return take_rows(tf.nest.map_structure(tf.convert_to_tensor, structure), self._rank, self._size,
+                         self.balancer)
 
     def extra_callbacks(self, model, callbacks):
         return self._container_strategy().training_callbacks(model, callbacks)
@@ -293,7 +376,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
 
     # -- input --------------------------------------------------------------------
     def _experimental_distribute_dataset(self, dataset, options):
-        return shard_global_batches(dataset, self._rank, self._size)
+        return shard_global_batches(dataset, self._rank, self._size, self.balancer)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         context = tf.distribute.InputContext(

@@ -1,6 +1,7 @@
 """`tfdp.MirroredStrategy`: synchronous data parallelism across Horovod workers."""
 
 from tfdp.reducers import AllReduceGradients
+from tfdp.reducers.allreduce import check_bucket_bytes
 from tfdp.strategies.base import HorovodStrategy
 
 
@@ -29,6 +30,18 @@ class MirroredStrategy(HorovodStrategy):
             gradients hold a NaN or Inf (decided on the all-reduced gradients, so
             all ranks agree without an extra collective); `skipped_steps()` counts
             them. Not with ``gradient_accumulation_steps``.
+        balance: each worker's share of every global batch. None: equal shares.
+            ``"auto"``: shares follow each worker's measured compute speed,
+            re-estimated every 20 steps (one small all-gather), with hysteresis; for
+            workers of different speeds. A list of weights, one per worker (e.g.
+            ``[0.7, 0.3]``): fixed shares, for known hardware. Uneven shares follow
+            the one-process trajectory of the same global batch (gradients and
+            synchronized batch norm are weighted by rows; step logs too).
+            `balance_stats()` reports the shares. See `tfdp.strategies.balance`.
+        bucket_bytes: None: one grouped all-reduce of every gradient after backprop. An
+            integer: buckets of about that many bytes, last layers first, each
+            all-reduced as soon as its gradients exist (overlap with backprop); the
+            same sums. See `tfdp.reducers.AllReduceGradients`.
 
     Example:
         >>> import keras, tfdp
@@ -39,9 +52,11 @@ class MirroredStrategy(HorovodStrategy):
         >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
     """
 
-    def __init__(self, global_step_logs=True, skip_nonfinite=False):
+    def __init__(self, global_step_logs=True, skip_nonfinite=False, balance=None, bucket_bytes=None):
+        check_bucket_bytes(bucket_bytes)
         super().__init__(
-            lambda communicator: AllReduceGradients(communicator, op="sum"),
+            lambda communicator: AllReduceGradients(communicator, op="sum", bucket_bytes=bucket_bytes),
             global_step_logs=global_step_logs,
             skip_nonfinite=skip_nonfinite,
+            balance=balance,
         )

@@ -7,6 +7,9 @@ Cost model (steady state, P workers, link bandwidth B bytes/s, latency a per col
 - communication time M = bytes sent / B + a x collectives;
 - synchronous and compressed presets: C + M; bounded staleness s >= 1: max(C, M);
   local SGD every H steps: C + M / H.
+- workers of different speeds (relative speeds v_r, 1 = the worker C was measured on):
+  equal shares wait for the slowest, C / min(v); ``balance`` presets split each batch by
+  speed, C x P / sum(v).
 
 Payload sizes come from the codecs themselves (`payload_bytes`), with the same rule as
 `CompressedStrategy` for small tensors (sent dense below `min_compress_bytes`). The
@@ -76,10 +79,22 @@ def exchange(preset_options, kind, shapes):
     return [(compressed, travel), (small, "allreduce")], rounds + 1
 
 
-def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4):
-    """Predicted `Prediction` for the preset named `preset`."""
-    spec = presets.load_preset(preset)
+def compute_time(compute_seconds, speeds, balanced):
+    """Compute time per step of a job whose workers run at relative `speeds` (None: all 1)."""
+    if not speeds:
+        return compute_seconds
+    if balanced:
+        return compute_seconds * len(speeds) / sum(speeds)
+    return compute_seconds / min(speeds)
+
+
+def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, speeds=None):
+    """Predicted `Prediction` for the preset named `preset`; `speeds`: each worker's relative speed."""
+    spec = presets.load_variant(preset)
     options, kind = spec["options"], spec["strategy"]
+    if speeds is not None and len(speeds) != workers:
+        raise ValueError(f"`speeds` needs one relative speed per worker ({workers}). Received: {speeds!r}")
+    compute_seconds = compute_time(compute_seconds, speeds, options.get("balance") is not None)
     payloads, collectives = exchange(options, kind, shapes)
     sent = sum(ring_bytes(b, workers, how) for b, how in payloads)
     payload = sum(b for b, _ in payloads)
@@ -93,9 +108,9 @@ def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_s
     return Prediction(preset, compute_seconds + comm, comm, sent, payload)
 
 
-def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, names=None):
+def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, names=None, speeds=None):
     """Predictions for every preset (or `names`), fastest first."""
-    rows = [predict(name, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds)
+    rows = [predict(name, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds, speeds)
             for name in (names or presets.preset_names())]
     return sorted(rows, key=lambda r: r.seconds_per_step)
 

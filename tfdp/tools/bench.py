@@ -7,7 +7,8 @@ median time per step and its spread, samples/s, speed-up over sync, scaling effi
 (samples/s over `workers` x the single worker's), tfdp's payload bytes per step, the bytes
 that crossed the link per step (emulated hosts) and, given a link rate, the advisor's
 prediction and the measured/predicted ratio. Writes ``bench.json``, ``bench.md`` and
-``bench.png`` to `out_dir`.
+``bench.png`` to `out_dir`, and ``bench-shares.png`` (each worker's share over the steps) when a
+preset balances shares.
 
 Example (as root, for emulated hosts):
     >>> rows = run_bench(["sync", "topk-1pct"], workers=2, rate_mbit=100, params=6e6, out_dir="/tmp/b")
@@ -23,12 +24,13 @@ from pathlib import Path
 from tfdp import presets
 from tfdp.tools import advisor
 from tfdp.tools.launcher import launch
+from tfdp.tools.slowdown import SLOWDOWN_ENV, parse_slowdown, remove_groups
 
 SINGLE_WORKER = "1 worker (compute only)"
 
 
 def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads, timeout, log,
-         digits_options=()):
+         digits_options=(), slowdown=None):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "tfdp.tools.bench_worker", "--preset", preset, "--workload", workload,
@@ -36,8 +38,15 @@ def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup
                    "--warmup-steps", str(warmup_steps), "--out", str(out), *digits_options]
         env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_NUM_INTEROP_THREADS=str(threads),
                    TF_CPP_MIN_LOG_LEVEL="2")
-        result = launch(command, workers, rate_mbit=rate_mbit if workers > 1 else None, timeout=timeout,
-                        env=env, sink=log)
+        env.pop(SLOWDOWN_ENV, None)
+        if slowdown and workers > 1:
+            env[SLOWDOWN_ENV] = slowdown
+        try:
+            result = launch(command, workers, rate_mbit=rate_mbit if workers > 1 else None, timeout=timeout,
+                            env=env, sink=log)
+        finally:
+            if slowdown:
+                remove_groups()
         if result.returncode != 0 or not out.exists():
             tail = "\n".join(result.output.splitlines()[-30:])
             raise RuntimeError(f"bench job {preset!r} on {workers} worker(s) failed "
@@ -52,16 +61,20 @@ def _spread(seconds):
 
 def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e6, batch_size=32, steps=8,
               warmup_steps=3, threads=1, out_dir="bench-results", timeout=900, progress=True,
-              target_accuracy=0.95, epochs=20):
+              target_accuracy=0.95, epochs=20, slowdown=None):
     """Run every preset, write the report files to `out_dir`, return the rows (dicts).
 
     The digits workload trains `epochs` epochs and also reports the seconds to reach
-    `target_accuracy` on its test split.
+    `target_accuracy` on its test split. `slowdown` (``"RANK:FACTOR,..."``, root) makes
+    those workers of every multi-worker job FACTOR times slower in compute
+    (`tfdp.tools.slowdown`); the single-worker baseline runs at full speed.
     """
     from tqdm import tqdm
 
     for name in preset_names:
-        presets.load_preset(name)  # An unknown preset fails now, before any job starts.
+        presets.load_variant(name)  # An unknown preset fails now, before any job starts.
+    if slowdown:
+        slowdown = ",".join(f"{r}:{f:g}" for r, f in parse_slowdown(slowdown).items())  # a bad one fails now
     if workers < 2:
         raise ValueError(f"`workers` must be >= 2 to compare strategies. Received: {workers}")
     out_dir = Path(out_dir)
@@ -75,7 +88,7 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             digits_options = (["--target-accuracy", str(target_accuracy), "--epochs", str(epochs)]
                               if workload == "digits" else [])
             raw[label] = _job(preset, n, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads,
-                              timeout, log, digits_options)
+                              timeout, log, digits_options, slowdown)
     single = raw.pop(SINGLE_WORKER)
     compute = single["median_seconds"]
     shapes = [tuple(s) for s in single["shapes"]]
@@ -93,6 +106,7 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             "link_bytes_per_step": r["link_bytes_per_step"],
             "compute_ms": 1000 * compute,
         }
+        row.update(_balance_columns(r, workers, batch_size))
         for key in ("seconds_to_target", "epochs_to_target", "final_accuracy", "target_accuracy"):
             if key in r:
                 row[key] = r[key]
@@ -106,28 +120,44 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
     if "sync" in raw:
         for row in rows:
             row["speedup_vs_sync"] = 1000 * raw["sync"]["median_seconds"] / row["median_ms"]
-    summary = {"single_worker_ms": 1000 * compute, "single_worker_samples_per_second": batch_size / compute,
+    summary = {"slowdown": slowdown, "single_worker_ms": 1000 * compute,
+               "single_worker_samples_per_second": batch_size / compute,
                "rows": rows, "raw": raw, "single_worker": single}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "bench.md").write_text(markdown_table(rows, compute, workers, rate_mbit))
+    (out_dir / "bench.md").write_text(markdown_table(rows, compute, workers, rate_mbit, slowdown))
     chart(rows, out_dir / "bench.png", workers, rate_mbit)
+    if any(r.get("share_history") for r in rows):
+        shares_chart(rows, out_dir / "bench-shares.png", slowdown)
     return rows
+
+
+def _balance_columns(result, workers, batch_size):
+    """Each worker's share of the global batch and, where measured, its busy ms per step."""
+    stats = result.get("balance")
+    if not stats:
+        return {"shares": [1 / workers] * workers, "busy_ms": None, "share_changes": 0}
+    speeds = stats["speeds_rows_per_second"]
+    rows = [share * batch_size * workers for share in stats["shares"]]
+    busy = None if not speeds else [1000 * n / s for n, s in zip(rows, speeds)]
+    return {"shares": stats["shares"], "busy_ms": busy, "share_changes": stats["changes"],
+            "share_history": stats["history"], "steps_run": result["warmup_steps"] + result["steps"] + 1}
 
 
 def _fmt(value, spec, missing="–"):
     return missing if value is None else format(value, spec)
 
 
-def markdown_table(rows, compute_seconds, workers, rate_mbit):
+def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None):
     link = f"{rate_mbit:g} Mbit/s emulated hosts" if rate_mbit else "loopback"
+    slowdown_note = f", slowdown {slowdown} (rank:factor, CPU quota)" if slowdown else ""
     first = rows[0]
     lines = [
-        f"{workers} workers, {link}; {first['workload']} with {first['parameters']:,} parameters, "
+        f"{workers} workers, {link}{slowdown_note}; {first['workload']} with {first['parameters']:,} parameters, "
         f"batch {first['batch_size_per_worker']} per worker; one worker alone: {1000 * compute_seconds:.1f} ms/step.",
         "",
         "| preset | ms/step (median) | min–max | samples/s | vs sync | scaling eff. | payload MB/step "
-        "| link MB/step | link/payload | advisor ms | measured/advisor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| link MB/step | link/payload | advisor ms | measured/advisor | shares | busy ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     digits = "target_accuracy" in first
     if digits:
@@ -142,7 +172,8 @@ def markdown_table(rows, compute_seconds, workers, rate_mbit):
             f"| {r['samples_per_second']:.0f} | {_fmt(r.get('speedup_vs_sync'), '.2f')}x "
             f"| {r['scaling_efficiency']:.2f} | {r['payload_bytes_per_step'] / 1e6:.3f} | {_fmt(link_mb, '.3f')} "
             f"| {_fmt(r.get('link_over_payload'), '.3f')} | {_fmt(r.get('predicted_ms'), '.1f')} "
-            f"| {_fmt(r.get('measured_over_predicted'), '.2f')} |" + target)
+            f"| {_fmt(r.get('measured_over_predicted'), '.2f')} | {'/'.join(f'{x:.2f}' for x in r['shares'])} "
+            f"| {'–' if r['busy_ms'] is None else '/'.join(f'{x:.0f}' for x in r['busy_ms'])} |" + target)
     return "\n".join(lines) + "\n"
 
 
@@ -170,6 +201,32 @@ def chart(rows, path, workers, rate_mbit):
     link = f"{rate_mbit:g} Mbit/s emulated hosts" if rate_mbit else "loopback"
     ax.set_title(f"{workers} workers, {link}, {rows[0]['parameters'] / 1e6:.1f} M parameters")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def shares_chart(rows, path, slowdown=None):
+    """Each worker's share of the global batch over the training steps, per balanced preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    balanced = [r for r in rows if r.get("share_history")]
+    fig, axes = plt.subplots(1, len(balanced), figsize=(5 * len(balanced), 3.4), squeeze=False)
+    for ax, row in zip(axes[0], balanced):
+        history = row["share_history"]
+        last_step = row.get("steps_run") or history[-1]["step"] + 1
+        steps = [h["step"] for h in history] + [last_step]
+        for worker in range(len(history[0]["shares"])):
+            shares = [h["shares"][worker] for h in history]
+            ax.step(steps, shares + shares[-1:], where="post", label=f"rank {worker}")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("share of each global batch")
+        ax.set_title(f"{row['preset']}" + (f" (slowdown {slowdown})" if slowdown else ""))
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -21,6 +21,7 @@ import keras  # noqa: E402
 
 import tfdp  # noqa: E402
 from tfdp.tools import workloads  # noqa: E402
+from tfdp.tools.slowdown import apply_from_env  # noqa: E402
 
 WORKLOADS = ("mlp", "cnn", "digits")
 
@@ -100,9 +101,10 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
     epochs, times every step after `warmup_steps` and records when the test accuracy first
     reaches `target_accuracy`.
     """
+    slowdown = apply_from_env()  # before any work: the whole process computes FACTOR times slower
     strategy = tfdp.strategy(preset)
     # A preset's own dense warm-up steps are not its steady state.
-    warmup_steps += tfdp.presets.load_preset(preset)["options"].get("warmup_steps", 0)
+    warmup_steps += tfdp.presets.load_variant(preset)["options"].get("warmup_steps", 0)
     keras.utils.set_random_seed(0)
     probe = StepProbe(strategy)
     if workload == "digits":
@@ -124,6 +126,8 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
         "link_bytes_per_step": link,
         "threads": int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0")),
         "shapes": [list(v.shape) for v in model.trainable_variables],
+        "slowdown": slowdown,
+        "balance": strategy.balance_stats() if hasattr(strategy, "balance_stats") else None,
         **extra,
     }
 

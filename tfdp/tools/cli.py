@@ -36,11 +36,13 @@ def _advise(args):
         raise ValueError(f"-np must be >= 1. Received: -np {args.np}")
     shapes = (advisor.shapes_from_parameter_count(int(args.params)) if args.params is not None
               else advisor.shapes_from_model_file(args.model))
+    speeds = _speeds(args.speeds, args.np)
     rows = advisor.advise(shapes, args.np, args.bandwidth_mbit * 1e6 / 8, args.compute_ms / 1000,
-                          args.latency_ms / 1000)
+                          args.latency_ms / 1000, speeds=speeds)
     params = sum(advisor._numel(s) for s in shapes)
     print(f"{params:,} parameters, {args.np} workers, {args.bandwidth_mbit:g} Mbit/s, "
-          f"compute {args.compute_ms:g} ms/step, latency {args.latency_ms:g} ms per collective")
+          f"compute {args.compute_ms:g} ms/step, latency {args.latency_ms:g} ms per collective"
+          + (f", worker speeds {'/'.join(f'{v:g}' for v in speeds)}" if speeds else ""))
     print(f"{'preset':<16} {'ms/step':>9} {'comm ms':>9} {'MB sent':>9}")
     for row in rows:
         print(f"{row.preset:<16} {1000 * row.seconds_per_step:>9.1f} {1000 * row.communication_seconds:>9.1f} "
@@ -49,6 +51,19 @@ def _advise(args):
     if args.check:
         _check_advice(args, rows[0].preset)
     return 0
+
+
+def _speeds(text, workers):
+    if text is None:
+        return None
+    try:
+        speeds = [float(v) for v in text.split(",")]
+    except ValueError:
+        speeds = []
+    if len(speeds) != workers or min(speeds) <= 0:
+        raise ValueError(f"--speeds needs {workers} relative speeds > 0, comma-separated (e.g. "
+                         f"{','.join(['1'] * (workers - 1) + ['0.5'])}). Received: {text!r}")
+    return speeds
 
 
 def _check_advice(args, recommended):
@@ -87,7 +102,7 @@ def _bench(args):
     bench.run_bench(args.presets, workers=args.np, rate_mbit=args.rate_mbit, workload=args.workload,
                     params=args.params, batch_size=args.batch_size, steps=args.steps,
                     warmup_steps=args.warmup_steps, threads=args.threads, out_dir=args.out, timeout=args.timeout,
-                    target_accuracy=args.target_accuracy, epochs=args.epochs)
+                    target_accuracy=args.target_accuracy, epochs=args.epochs, slowdown=args.slowdown)
     print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, bench.png (worker output: bench.log)")
     return 0
@@ -132,6 +147,8 @@ def build_parser():
     advise.add_argument("--compute-ms", type=float, required=True, help="measured compute time per step")
     advise.add_argument("--latency-ms", type=float, default=0.1, help="latency per collective")
     advise.add_argument("-np", type=int, default=2, help="number of workers")
+    advise.add_argument("--speeds", help="each worker's relative compute speed, e.g. 1,0.5 (default: all 1); "
+                        "--compute-ms is the time of a speed-1 worker")
     advise.add_argument("--check", action="store_true",
                         help="measure the recommended preset and sync on emulated hosts (root; --params only)")
     advise.add_argument("--check-steps", type=int, default=6, help="timed steps per preset for --check")
@@ -152,6 +169,8 @@ def build_parser():
     bench.add_argument("--timeout", type=float, default=900, help="seconds per job before it is ended")
     bench.add_argument("--target-accuracy", type=float, default=0.95, help="digits only")
     bench.add_argument("--epochs", type=int, default=20, help="digits only")
+    bench.add_argument("--slowdown", help="RANK:FACTOR[,...]: those workers compute FACTOR x slower "
+                       "(a CPU quota; root), e.g. 1:2")
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(handler=_bench)
     return parser

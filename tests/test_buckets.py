@@ -1,0 +1,51 @@
+"""Gradient buckets (`bucket_bytes`): several grouped all-reduces, last layers first, the same sums."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import assert_ok, run_plain, run_workers
+
+from tfdp.reducers.allreduce import buckets, check_bucket_bytes
+
+
+def test_buckets_hold_whole_tensors_last_first():
+    assert buckets([400, 400, 4000, 40], 1000) == [[3], [2], [1, 0]]
+    assert buckets([400, 400, 4000, 40], None) == [[3, 2, 1, 0]]
+    assert buckets([10] * 5, 25) == [[4, 3], [2, 1], [0]]
+    assert sorted(i for b in buckets([7, 1, 9, 3, 5], 8) for i in b) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1MB"])
+def test_bad_bucket_bytes_names_the_problem(bad):
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        check_bucket_bytes(bad)
+
+
+def run_case(tmp_path, name, np_, *args):
+    out = tmp_path / name
+    out.mkdir()
+    run = run_workers("balance.py", np_, ["--out", out, "--model", "mlp", *args], timeout=240) if np_ > 1 else \
+        run_plain("balance.py", ["--out", out, "--model", "mlp", *args], timeout=240)
+    assert_ok(run)
+    return json.loads((out / "rank0.json").read_text())
+
+
+@pytest.mark.multiprocess
+def test_buckets_keep_the_one_process_trajectory_with_more_collectives(tmp_path):
+    reference = run_case(tmp_path, "reference", 1)
+    bucketed = run_case(tmp_path, "buckets", 2, "--bucket-bytes", "512")
+    assert max(float(np.max(np.abs(np.subtract(a, b))) / np.max(np.abs(b)))
+               for a, b in zip(bucketed["weights"], reference["weights"])) <= 1e-5
+    # 4 gradient tensors + the row count in 4 buckets of <= 512 bytes' worth (a tensor larger
+    # than that is a bucket of its own), plus the step's logs: 5 collectives a step, 23 steps.
+    assert bucketed["collectives"] >= 5 * 23
+
+
+@pytest.mark.multiprocess
+@pytest.mark.full
+def test_buckets_give_bit_identical_weights_to_one_group(tmp_path):
+    one_group = run_case(tmp_path, "one-group", 2, "--balance", "1,1")
+    bucketed = run_case(tmp_path, "buckets", 2, "--balance", "1,1", "--bucket-bytes", "512")
+    assert bucketed["weights"] == one_group["weights"]  # bit for bit
+    assert bucketed["collectives"] - one_group["collectives"] >= 3 * 23
