@@ -64,19 +64,24 @@ MOMENTUM_PRESETS = ["topk-1pct", "efsign", "async-s1", "async-s2"]
 MOMENTUM_CONTROLS = ["efsign:momentum_correction=false", "async-s2:momentum=null"]
 
 
-def test_presets_hold_accuracy_under_momentum_sgd(tmp_path):
-    configs = ["sync", *MOMENTUM_PRESETS, *MOMENTUM_CONTROLS]
-    run = run_workers(WORKER, 2, ["--out", tmp_path, *MOMENTUM_CELL, "--seeds", 0, 1, "--configs", *configs],
-                      timeout=1800)
+def check_cell(tmp_path, title, cell, seeds, presets, controls, epochs):
+    """Train sync, `presets` and `controls` on one cell; presets within the band, controls outside."""
+    configs = ["sync", *presets, *controls]
+    run = run_workers(WORKER, 2, ["--out", tmp_path, *cell, "--seeds", *seeds, "--configs", *configs], timeout=1800)
     assert_ok(run)
     rows = run.results(tmp_path, 2)[0]
-    means = {c: statistics.mean(r["accuracy"]["12"] for r in rows if r["config"] == c) for c in configs}
+    means = {c: statistics.mean(r["accuracy"][str(epochs)] for r in rows if r["config"] == c) for c in configs}
     table = "\n".join(f"{c:>40}: mean {means[c]:.4f} ({100 * (means[c] - means['sync']):+.2f} pp)" for c in configs)
-    print(f"\nMLP on digits, momentum SGD, 12 epochs:\n{table}")
-    for config in MOMENTUM_PRESETS:
+    print(f"\n{title}:\n{table}")
+    for config in presets:
         assert means["sync"] - means[config] <= BAND, f"{config} too far below sync:\n{table}"
-    for config in MOMENTUM_CONTROLS:
+    for config in controls:
         assert means["sync"] - means[config] > BAND, f"negative control {config} inside the band:\n{table}"
+
+
+def test_presets_hold_accuracy_under_momentum_sgd(tmp_path):
+    check_cell(tmp_path, "MLP on digits, momentum SGD, 12 epochs", MOMENTUM_CELL, [0, 1], MOMENTUM_PRESETS,
+               MOMENTUM_CONTROLS, 12)
 
 
 # Under Adam, error feedback on the gradient let top-k fall 7 points behind sync on the digits
@@ -88,17 +93,8 @@ ADAM_CONTROL = "topk-1pct:momentum_correction=false"
 
 
 def test_sparsifiers_hold_accuracy_under_adam_by_compressing_the_step(tmp_path):
-    configs = ["sync", *ADAM_PRESETS, ADAM_CONTROL]
-    run = run_workers(WORKER, 2, ["--out", tmp_path, *ADAM_CELL, "--seeds", *SEEDS, "--configs", *configs],
-                      timeout=1800)
-    assert_ok(run)
-    rows = run.results(tmp_path, 2)[0]
-    means = {c: statistics.mean(r["accuracy"]["20"] for r in rows if r["config"] == c) for c in configs}
-    table = "\n".join(f"{c:>40}: mean {means[c]:.4f} ({100 * (means[c] - means['sync']):+.2f} pp)" for c in configs)
-    print(f"\nconv net on digits, Adam, batch 128, 20 epochs:\n{table}")
-    for config in ADAM_PRESETS:
-        assert means["sync"] - means[config] <= BAND, f"{config} too far below sync:\n{table}"
-    assert means["sync"] - means[ADAM_CONTROL] > BAND, f"negative control inside the band:\n{table}"
+    check_cell(tmp_path, "conv net on digits, Adam, batch 128, 20 epochs", ADAM_CELL, SEEDS, ADAM_PRESETS,
+               [ADAM_CONTROL], 20)
 
 
 def expected_rounds(config, steps):
