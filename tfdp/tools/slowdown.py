@@ -13,14 +13,17 @@ Example:
 """
 
 import os
+import subprocess
 from pathlib import Path
 
 SLOWDOWN_ENV = "TFDP_SLOWDOWN"
 PERIOD_US = 100_000
 GROUP_PREFIX = "tfdp-slow-"
-# `ip netns exec` (emulated hosts) mounts a fresh /sys without the cgroup file systems; the
-# host's are still reachable through PID 1's root (same PID namespace, root only).
-CGROUP_MOUNTS = (Path("/sys/fs/cgroup"), Path("/proc/1/root/sys/fs/cgroup"))
+CGROUP_MOUNTS = (Path("/sys/fs/cgroup"),)
+# `ip netns exec` (emulated hosts) gives the process its own mount namespace with a fresh
+# /sys that lacks the cgroup file systems; mounting the cpu hierarchy again there shows the
+# host's hierarchy (the same groups), and the mount is private to that namespace.
+PRIVATE_MOUNT = Path("/tmp/tfdp-cgroup")
 
 
 def parse_slowdown(text):
@@ -41,7 +44,7 @@ def parse_slowdown(text):
 
 def _layout():
     """("v1" or "v2", the directory groups are made in), or None without a cgroup cpu controller."""
-    for mount in CGROUP_MOUNTS:
+    for mount in (*CGROUP_MOUNTS, PRIVATE_MOUNT):
         try:
             if (mount / "cpu" / "cpu.cfs_quota_us").exists():
                 return "v1", mount / "cpu"
@@ -53,9 +56,23 @@ def _layout():
     return None
 
 
+def _mount_privately():
+    """Mount the cpu hierarchy at `PRIVATE_MOUNT` (inside `ip netns exec`); return `_layout()`
+    and the mount point to unmount once the process has joined its group."""
+    PRIVATE_MOUNT.mkdir(parents=True, exist_ok=True)
+    for command in (["mount", "-t", "cgroup", "-o", "cpu", "cgroup", str(PRIVATE_MOUNT / "cpu")],
+                    ["mount", "-t", "cgroup2", "cgroup2", str(PRIVATE_MOUNT)]):
+        Path(command[-1]).mkdir(parents=True, exist_ok=True)
+        if subprocess.run(command, capture_output=True).returncode == 0:
+            return _layout(), command[-1]
+    return None, None
+
+
 def slow_down(pid, factor, cpus=1.0):
     """Limit process `pid` (all its threads) to ``cpus / factor`` CPUs; return the cgroup's path."""
-    found = _layout()
+    found, mounted = _layout(), None
+    if found is None and not any(CGROUP_MOUNTS[0].iterdir()):  # a fresh /sys, as `ip netns exec` gives
+        found, mounted = _mount_privately()
     if found is None:
         raise RuntimeError("tfdp slowdown needs the cgroup cpu controller (v1 /sys/fs/cgroup/cpu or v2 "
                            "/sys/fs/cgroup with 'cpu' in cgroup.controllers); none is mounted here.")
@@ -73,6 +90,9 @@ def slow_down(pid, factor, cpus=1.0):
     except PermissionError as err:
         raise RuntimeError(f"tfdp slowdown: cannot write the cgroup {group} ({err}). It needs root; run as root "
                            f"or drop --slowdown / {SLOWDOWN_ENV}.") from err
+    finally:
+        if mounted:  # the process stays in its group; the group stays visible on the host
+            subprocess.run(["umount", mounted], capture_output=True)
     return group
 
 
