@@ -151,10 +151,10 @@ def test_a_worker_slowed_twofold_gets_about_a_third_of_each_batch(tmp_path):
 
     if slowdown._layout() is None:
         pytest.skip("no cgroup cpu controller here")
-    [reference] = run_case(tmp_path, "reference", 1, "--model", "conv", "--epochs", "4")
+    [reference] = run_case(tmp_path, "reference", 1, "--model", "wide", "--epochs", "2")
     out = tmp_path / "slowed"
     out.mkdir()
-    run = run_workers("balance.py", 2, ["--out", out, "--model", "conv", "--balance", "auto", "--epochs", "4"],
+    run = run_workers("balance.py", 2, ["--out", out, "--model", "wide", "--balance", "auto", "--epochs", "2"],
                       timeout=300, env={"TFDP_SLOWDOWN": "1:2", "TF_NUM_INTRAOP_THREADS": "1",
                                         "TF_NUM_INTEROP_THREADS": "1"})
     slowdown.remove_groups()

@@ -4,7 +4,7 @@
                         one-process reference
     --epochs N          epochs over those batches (default 1)
     TFDP_SLOWDOWN=1:2   rank 1 computes 2x slower (a CPU quota, `tfdp.tools.slowdown`; root)
-    --model mlp|conv    conv: a conv net with synchronized batch norm
+    --model mlp|conv|wide  conv: a conv net with synchronized batch norm; wide: a 2048-2048 MLP
     --batches N         train on the first N global batches of 64 rows (one epoch, shuffle=False)
     --unweighted        negative control: gradients averaged without weighting by rows
     --bucket-bytes N    all-reduce gradients in buckets of about N bytes
@@ -28,7 +28,10 @@ BATCH = 64
 
 def build(kind):
     layers = [keras.Input((8, 8, 1))]
-    if kind == "conv":
+    if kind == "wide":  # enough compute per row (~0.5 ms) for a CPU quota to show in every step
+        layers += [keras.layers.Flatten(), keras.layers.Dense(2048, activation="relu"),
+                   keras.layers.Dense(2048, activation="relu")]
+    elif kind == "conv":
         layers += [keras.layers.Conv2D(8, 3, activation="relu"),
                    keras.layers.BatchNormalization(synchronized=True),
                    keras.layers.Flatten()]
@@ -56,7 +59,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--balance")
-    parser.add_argument("--model", choices=["mlp", "conv"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "conv", "wide"], default="mlp")
     parser.add_argument("--batches", type=int, default=23)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--bucket-bytes", type=int, help="MirroredStrategy(bucket_bytes=...)")

@@ -58,7 +58,8 @@ class StrategyHooks(abc.ABC):
 
     @abc.abstractmethod
     def training_step(self, data):
-        """A context manager around one Keras training step on this rank's `data`."""
+        """A context manager around one Keras training step on this rank's `data`; it yields the
+        data the step should use (the same values, possibly ordered after the strategy's own ops)."""
 
     @abc.abstractmethod
     def split_batch(self, structure):
@@ -76,7 +77,10 @@ class StrategyHooks(abc.ABC):
         return contextlib.nullcontext()
 
     def gradients_ready(self, grads):
-        """Inside a training step: this rank's gradients exist (before any exchange)."""
+        """Inside a training step: this rank's gradients exist (before any exchange); return the
+        gradients the exchange should use (the same values, possibly ordered after the
+        strategy's own ops)."""
+        return grads
 
     def metrics_reset(self):
         """Keras reset the model's metrics (start of an epoch, of evaluate)."""
@@ -151,7 +155,7 @@ def _reduce(reducer, grads, variables, optimizer):
                            "this Keras version calls its hooks in an order tfdp does not know.")
     hooks = _strategy_hooks(getattr(optimizer, "_distribution_strategy", None))
     if hooks is not None:
-        hooks.gradients_ready(grads)
+        grads = hooks.gradients_ready(grads)
     return reducer.reduce(list(grads), list(variables), optimizer)
 
 
@@ -465,8 +469,8 @@ def _patch_train_function():
         step = self.train_step
 
         def train_step(data):
-            with hooks.training_step(data):
-                return step(data)
+            with hooks.training_step(data) as step_data:
+                return step(step_data)
 
         function = self._make_function(train_step)
 

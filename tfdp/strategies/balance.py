@@ -125,24 +125,33 @@ class Balancer:
         return share_bounds(n, self.weights)
 
     def step_started(self, data, rows, timed=True):
-        """Inside a step: count this rank's rows; remember when its batch was ready (`timed`)."""
+        """Inside a step: count this rank's rows; with `timed`, note the time its batch was ready
+        and return the batch ordered after that clock reading (TensorFlow runs independent ops
+        in any order: without the ordering the reading could come after the forward pass)."""
         self.epoch_rows.assign_add(tf.cast(rows, tf.int64))
         self._started = None
-        if self.auto and timed:
-            with tf.control_dependencies([t for t in tf.nest.flatten(data) if tf.is_tensor(t)]):
-                self._started = (tf.timestamp(), tf.cast(rows, tf.int64))
+        if not (self.auto and timed):
+            return data
+        with tf.control_dependencies([t for t in tf.nest.flatten(data) if tf.is_tensor(t)]):
+            started = tf.timestamp()
+        self._started = (started, tf.cast(rows, tf.int64))
+        with tf.control_dependencies([started]):
+            return tf.nest.map_structure(lambda t: tf.identity(t) if tf.is_tensor(t) else t, data)
 
     def gradients_ready(self, grads):
-        """Inside a step, when its gradients exist: add the compute time since `step_started`."""
+        """Inside a step, when its gradients exist: add the compute time since `step_started`;
+        return the gradients ordered after that clock reading, so the exchange waits for it."""
         if not self.auto or self._started is None:
-            return
+            return grads
         started, rows = self._started
         self._started = None
-        ready = [tf.convert_to_tensor(g) for g in grads if g is not None]
-        with tf.control_dependencies(ready):
-            busy = tf.timestamp() - started
-        self._busy_seconds.assign_add(busy)
+        ready = [g for g in grads if g is not None]
+        with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g for g in ready]):
+            now = tf.timestamp()
+        self._busy_seconds.assign_add(now - started)
         self._busy_rows.assign_add(rows)
+        with tf.control_dependencies([now]):
+            return [None if g is None else _identity(g) for g in grads]
 
     def waited(self, seconds):
         """Inside a step: this rank waited `seconds` for others in a collective (not compute)."""
@@ -175,6 +184,12 @@ class Balancer:
     def stats(self):
         return {"shares": self.shares(), "speeds_rows_per_second": self.last_speeds, "changes": self.changes,
                 "history": [{"step": s, "shares": sh} for s, sh in self.history]}
+
+
+def _identity(grad):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(grad.values), grad.indices, grad.dense_shape)
+    return tf.identity(grad)
 
 
 class Rebalance(keras.callbacks.Callback):

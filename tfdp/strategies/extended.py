@@ -206,8 +206,10 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             tensors = [tf.identity(t) for t in tensors]
         summed = self.communicator.allreduce(tensors, op="sum")
         with tf.control_dependencies(summed):
-            balancer.waited(tf.timestamp() - start)
-        return summed
+            end = tf.timestamp()
+        balancer.waited(end - start)
+        with tf.control_dependencies([end]):  # read the clock as soon as the sum arrives
+            return [tf.identity(s) for s in summed]
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         if isinstance(value, Mirrored) and self._op_name(reduce_op) == "average":
@@ -341,12 +343,14 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
                   f"epoch here, and rank {self._rank} leaves its remaining batches unread.", file=sys.stderr)
         return everyone
 
+    @contextlib.contextmanager
     def training_step(self, data):
         first = next(t for t in tf.nest.flatten(data) if t is not None)
         rows = num_rows(first)
         if self.balancer is not None:
-            self.balancer.step_started(data, rows)
-        return rows_of_this_step(rows)
+            data = self.balancer.step_started(data, rows)
+        with rows_of_this_step(rows):
+            yield data
 
     def evaluation_step(self, data):
         if self.balancer is not None:
@@ -355,8 +359,9 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         return contextlib.nullcontext()
 
     def gradients_ready(self, grads):
-        if self.balancer is not None:
-            self.balancer.gradients_ready(grads)
+        if self.balancer is None:
+            return grads
+        return self.balancer.gradients_ready(grads)
 
     def metrics_reset(self):
         if self.balancer is not None:

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 SLOWDOWN_ENV = "TFDP_SLOWDOWN"
-PERIOD_US = 100_000
+PERIOD_US = 10_000  # short periods: the quota bites evenly, not in 50 ms stalls
 GROUP_PREFIX = "tfdp-slow-"
 CGROUP_MOUNTS = (Path("/sys/fs/cgroup"),)
 # `ip netns exec` (emulated hosts) gives the process its own mount namespace with a fresh
