@@ -52,6 +52,9 @@ def test_next_weights_follow_speed_with_smoothing_and_hysteresis():
     assert next_weights([5000, 5000], [320, 320], [1.0, 1.04]).tolist() == [5000, 5000]
     # Converged: the measured speeds match the shares, nothing moves.
     assert next_weights([6667, 3333], [427, 213], [1.0, 1.0]).tolist() == [6667, 3333]
+    # A share more than 5% off its target is corrected, even when each step is half the way
+    # (the full tier once left 0.47/0.53 in place for equal workers: 0.86x sync).
+    assert next_weights([4716, 5284], [320, 320], [1.0, 1.0]).tolist() == [4858, 5142]
     # No measurement yet (0 rows): keep the shares.
     assert next_weights([5000, 5000], [0, 0], [0.0, 0.0]).tolist() == [5000, 5000]
 

@@ -13,8 +13,8 @@ and step logs are averaged weighted by each rank's rows of the epoch.
 With ``balance="auto"`` each rank times its own compute (from its batch being ready to
 its gradients being ready) and counts its rows; every ``interval`` steps the ranks
 all-gather those two numbers (one small collective) and set new weights proportional
-to rows per second, smoothed, and only when some share would move by more than
-``hysteresis`` (relative), so measurement noise does not make them oscillate.
+to rows per second, smoothed, and only when some share is more than ``hysteresis`` (relative)
+away from its target, so measurement noise does not make them oscillate.
 
 Example:
     >>> share_bounds(tf.constant(64, tf.int64), tf.constant([7, 3], tf.int64)).numpy().tolist()
@@ -74,8 +74,8 @@ def check_balance(balance, size):
 def next_weights(current, rows, seconds, smoothing=DEFAULT_SMOOTHING, hysteresis=DEFAULT_HYSTERESIS):
     """New integer weights from each worker's measured rows and busy seconds, or `current`.
 
-    Target shares are proportional to rows per second; the new shares move `smoothing` of
-    the way there, and only if some share would change by more than `hysteresis` of itself.
+    Target shares are proportional to rows per second; when some share is more than
+    `hysteresis` (relative) away from its target, the shares move `smoothing` of the way there.
     Pure NumPy on identical inputs: every rank gets the same answer.
 
     Example:
@@ -90,11 +90,12 @@ def next_weights(current, rows, seconds, smoothing=DEFAULT_SMOOTHING, hysteresis
     speed = np.where(active, rows / np.where(seconds > 0, seconds, 1.0), 0.0)
     share = current / current.sum()
     target = speed / speed.sum()
-    proposed = share + smoothing * (target - share)
-    moved = np.abs(proposed - share)[active] / share[active]
-    if np.max(moved) <= hysteresis:
+    # Hysteresis on the distance to the target (not on the smoothed step), so a share that is
+    # more than `hysteresis` off is always corrected, however small each step towards it.
+    off = np.abs(target - share)[active] / share[active]
+    if np.max(off) <= hysteresis:
         return np.asarray(current, dtype=np.int64)
-    return normalise(proposed)
+    return normalise(share + smoothing * (target - share))
 
 
 class Balancer:
