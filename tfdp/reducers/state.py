@@ -87,7 +87,9 @@ class ReducerState:
         """Give `optimizer`'s variables this rank's values loaded by `load` (after Keras loaded rank 0's)."""
         for index, variable in enumerate(optimizer.variables):
             key = f"optimizer/{index}"
-            if key in self._entries or self._loaded_value(key, len(self._entries)) is not None:
+            # By name only: a checkpoint without per-rank optimizer state (gradient compression,
+            # say) must not hand its other entries to the optimizer by position.
+            if key in self._entries or any(label == key for label, _ in self._pending):
                 variable.assign(self.variable(key, lambda v=variable: tf.identity(v), per_rank=True))
 
     def __contains__(self, key):
