@@ -70,11 +70,12 @@ class StrategyHooks(abc.ABC):
         """Callbacks to run before the user's in fit/evaluate/predict (on every rank)."""
 
     def step_failed(self, error):
-        """A training step raised `error` (a TensorFlow op error); say what is known, then it propagates."""
+        """A training or test step raised `error` (a TensorFlow op error); say what is known, then it propagates."""
 
     def evaluation_step(self, data):
-        """A context manager around one Keras test step on this rank's `data`."""
-        return contextlib.nullcontext()
+        """A context manager around one Keras test step on this rank's `data`; it yields the data
+        the step should use."""
+        return contextlib.nullcontext(data)
 
     def gradients_ready(self, grads):
         """Inside a training step: this rank's gradients exist (before any exchange); return the
@@ -451,67 +452,44 @@ def _split_on_batch_inputs(method, names):
     return wrapper
 
 
-def _patch_train_function():
-    # keras/src/backend/tensorflow/trainer.py: `make_train_function` builds the train
-    # function from `self.train_step` (Keras's or the user's) with `_make_function`. tfdp
-    # wraps the step so that the gradient reduction knows this rank's rows, and the
-    # function so that a failed collective can be explained (a lost host) before it raises.
+def _patch_step_function(kind):
+    # keras/src/backend/tensorflow/trainer.py: `make_train_function` / `make_test_function`
+    # build the function from `self.train_step` / `self.test_step` (Keras's or the user's)
+    # with `_make_function`. tfdp wraps the step in the strategy's hook (so the gradient
+    # reduction and the step logs know this rank's rows), and the function so that a failed
+    # collective can be explained (a lost host) before it raises.
     import tensorflow as tf
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    original = tf_trainer.TensorFlowTrainer.make_train_function
+    maker, attribute = f"make_{kind}_function", f"{kind}_function"
+    original = getattr(tf_trainer.TensorFlowTrainer, maker)
 
     @functools.wraps(original)
-    def make_train_function(self, force=False):
+    def make_function(self, force=False):
         hooks = _strategy_hooks(self._distribute_strategy)
-        if hooks is None or (self.train_function is not None and not force):
+        if hooks is None or (getattr(self, attribute) is not None and not force):
             return original(self, force)
-        step = self.train_step
+        step = getattr(self, f"{kind}_step")
+        around_step = hooks.training_step if kind == "train" else hooks.evaluation_step
 
-        def train_step(data):
-            with hooks.training_step(data) as step_data:
+        def hooked_step(data):
+            with around_step(data) as step_data:
                 return step(step_data)
 
-        function = self._make_function(train_step)
+        function = self._make_function(hooked_step)
 
-        def train_function(iterator):
+        def explained_function(iterator):
             try:
                 return function(iterator)
             except tf.errors.OpError as error:
                 hooks.step_failed(error)
                 raise
 
-        self.train_function = train_function
-        return self.train_function
+        setattr(self, attribute, explained_function)
+        return explained_function
 
-    make_train_function._tfdp_original = original
-    tf_trainer.TensorFlowTrainer.make_train_function = make_train_function
-
-
-def _patch_test_function():
-    # keras/src/backend/tensorflow/trainer.py: `make_test_function` builds the test function
-    # from `self.test_step` with `_make_function`; tfdp wraps the step so the strategy can
-    # count this rank's rows (step logs under uneven shares are weighted by them).
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    original = tf_trainer.TensorFlowTrainer.make_test_function
-
-    @functools.wraps(original)
-    def make_test_function(self, force=False):
-        hooks = _strategy_hooks(self._distribute_strategy)
-        if hooks is None or (self.test_function is not None and not force):
-            return original(self, force)
-        step = self.test_step
-
-        def test_step(data):
-            with hooks.evaluation_step(data):
-                return step(data)
-
-        self.test_function = self._make_function(test_step)
-        return self.test_function
-
-    make_test_function._tfdp_original = original
-    tf_trainer.TensorFlowTrainer.make_test_function = make_test_function
+    make_function._tfdp_original = original
+    setattr(tf_trainer.TensorFlowTrainer, maker, make_function)
 
 
 def _patch_reset_metrics():
@@ -670,8 +648,8 @@ def install():
     _patch_callbacks()
     _patch_epoch_iterator()
     _patch_on_batch()
-    _patch_train_function()
-    _patch_test_function()
+    _patch_step_function("train")
+    _patch_step_function("test")
     _patch_reset_metrics()
     _installed = True
 

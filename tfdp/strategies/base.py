@@ -119,10 +119,10 @@ class HorovodStrategy(tf.distribute.Strategy):
         return extra
 
     def step_failed(self, error):
-        """A training step raised `error`: on a job that spans hosts, name the hosts that no longer answer."""
+        """A training or test step raised `error`: on a job that spans hosts, name the hosts that no longer answer."""
         lost = lost_hosts(self._hosts, self.rank)
         if lost:
-            print(f"tfdp: rank {self.rank} on host {self._hosts[self.rank]}: a training step failed "
+            print(f"tfdp: rank {self.rank} on host {self._hosts[self.rank]}: a step failed "
                   f"({type(error).__name__}): {lost}.", file=sys.stderr, flush=True)
 
     def settle(self, optimizer):

@@ -356,7 +356,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         if self.balancer is not None:
             first = next(t for t in tf.nest.flatten(data) if t is not None)
             self.balancer.step_started(data, num_rows(first), timed=False)
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(data)
 
     def gradients_ready(self, grads):
         if self.balancer is None:
