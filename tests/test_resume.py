@@ -22,10 +22,10 @@ PARITY = 1e-6
 CONTROL = 1e-4
 # The quick tier resumes the preset with the most reducer state; the full tier all of them.
 # "@adam": under Adam, top-k compresses each worker's own optimizer step, so every rank's
-# Adam moments are state too.
+# Adam moments are state too; zero1 keeps each rank's shard of Adam's moments.
 PRESETS = [pytest.param("topk-1pct"),
            *(pytest.param(p, marks=pytest.mark.full)
-             for p in ("sync", "powersgd-r4", "async-s1", "local-sgd-h16", "topk-1pct@adam"))]
+             for p in ("sync", "powersgd-r4", "async-s1", "local-sgd-h16", "topk-1pct@adam", "zero1@adam"))]
 
 
 def max_relative_difference(a, b):
@@ -63,6 +63,8 @@ def test_kill_and_resume_ends_with_the_weights_of_an_uninterrupted_run(tmp_path,
     # Negative control.
     if preset == "sync":  # no reducer state: forget the saved epoch instead
         control, control_state = job(tmp_path, preset, "control", "backup-copy", "--forget-epoch")
+    elif preset.startswith("zero1"):  # its state is the optimizer's, sharded: zero the restored slots
+        control, control_state = job(tmp_path, preset, "control", "backup-copy", "--reset-optimizer-slots")
     elif preset.startswith("async-s"):  # its state is what is in flight: checkpoints written without settling
         job(tmp_path, preset, "killed-unsettled", "backup-unsettled", "--die-at-epoch", 3, "--drop-reducer-state")
         control, control_state = job(tmp_path, preset, "control", "backup-unsettled", "--drop-reducer-state")

@@ -8,6 +8,9 @@
     --drop-reducer-state   negative control: the reducer state is lost. Checkpoints are written
                            without settling it (stale gradients in flight stay in flight) and,
                            after the restore, what was loaded is reset to its initial value.
+    --reset-optimizer-slots
+                           negative control: after the restore, the optimizer's slots (momentum,
+                           Adam's moments: every variable that is not a scalar) are zeroed.
 
 Rank 0 writes rank0.json to --out: the final weights and the epochs this run trained.
 """
@@ -52,6 +55,15 @@ class ResetReducerState(keras.callbacks.Callback):
         self.strategy.gradient_reducer.state.reset()
 
 
+class ResetOptimizerSlots(keras.callbacks.Callback):
+    """After BackupAndRestore has loaded the checkpoint, zero the optimizer's slots."""
+
+    def on_train_begin(self, logs=None):
+        for variable in self.model.optimizer.variables:
+            if len(variable.shape):
+                variable.assign(keras.ops.zeros_like(variable))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -61,6 +73,7 @@ def main():
     parser.add_argument("--die-at-epoch", type=int)
     parser.add_argument("--forget-epoch", action="store_true")
     parser.add_argument("--drop-reducer-state", action="store_true")
+    parser.add_argument("--reset-optimizer-slots", action="store_true")
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
     x_train, y_train, _, _ = load_digits_split(0)
@@ -77,6 +90,8 @@ def main():
     if args.drop_reducer_state:
         strategy.settle = lambda optimizer: None
         callbacks.append(ResetReducerState(strategy))
+    if args.reset_optimizer_slots:
+        callbacks.append(ResetOptimizerSlots())
     if args.die_at_epoch is not None:
         callbacks.append(DieInEpoch(args.die_at_epoch))
     # shuffle=False: the batch order of an epoch must not depend on how many epochs this process ran.

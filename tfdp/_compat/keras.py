@@ -5,8 +5,10 @@ Keras really calls each hook (a spy, not an attribute check). `install()` is ide
 
 The hooks ask two things of the objects they meet, both declared here rather than
 discovered: a tfdp strategy's ``extended`` implements `StrategyHooks`, and a gradient
-reducer implements ``reduce``, ``after_update``, ``saveable``, ``supports_accumulation``
-and ``description`` (the protocol of `tfdp.reducers.GradientReducer`).
+reducer implements ``reduce``, ``after_update``, ``saveable``, ``supports_accumulation``,
+``description`` and ``shards_optimizer_state`` (the protocol of
+`tfdp.reducers.GradientReducer`; a reducer that shards also implements ``build_sharded``,
+``apply_sharded``, ``model_variables``, ``save_sharded`` and ``load_sharded``).
 """
 
 import abc
@@ -133,14 +135,15 @@ def attach_reducer_state(optimizer, reducer):
 
 
 @contextlib.contextmanager
-def gradients_reduced():
-    """Within this block, optimizers apply the gradients they are given as they are."""
-    previous = getattr(_state, "reduced", False)
-    _state.reduced = True
+def gradients_reduced(clipped=False):
+    """Within this block, optimizers apply the gradients they are given as they are
+    (``clipped=True``: without Keras's clipping either; the caller clipped them)."""
+    previous = getattr(_state, "reduced", False), getattr(_state, "clipped", False)
+    _state.reduced, _state.clipped = True, clipped
     try:
         yield
     finally:
-        _state.reduced = previous
+        _state.reduced, _state.clipped = previous
 
 
 def _reducer_to_apply(optimizer):
@@ -165,6 +168,8 @@ def _reduce_in_clip(method):
 
     @functools.wraps(method)
     def wrapper(self, grads):
+        if getattr(_state, "clipped", False):
+            return list(grads)
         reducer = _reducer_to_apply(self)
         if reducer is None:
             return method(self, grads)
@@ -275,12 +280,109 @@ def _attach_state_on_creation(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         method(self, *args, **kwargs)
+        if getattr(_state, "plain", False):
+            return
         reducer = gradient_reducer(self)
         if reducer is not None:
             attach_reducer_state(self, reducer)
+            if reducer.shards_optimizer_state:
+                _shard(self, reducer)
 
     wrapper._tfdp_original = method
     return wrapper
+
+
+def _shard(optimizer, reducer):
+    """Hand `optimizer`'s build, apply and checkpoint methods to a sharding reducer.
+
+    keras/src/optimizers/base_optimizer.py: `apply(grads, trainable_variables)` builds the
+    optimizer on first use (`self.build(variables)`, which subclasses such as Adam
+    override) and `apply_gradients` calls `self.apply`; saving_lib calls
+    `save_own_variables(store)` / `load_own_variables(store)`. Instance attributes take
+    precedence over all of them, for this optimizer only. The reducer builds the optimizer
+    on its shards (`build_recording_slots`) and calls back `apply_to(grads, shards)`.
+    """
+    cls = type(optimizer)
+
+    def build(variables):
+        reducer.build_sharded(optimizer, list(variables))
+
+    def apply(grads, trainable_variables=None):
+        if trainable_variables is None:
+            if not optimizer.built:
+                return cls.apply(optimizer, grads, None)  # Keras's error: build first
+            trainable_variables = reducer.model_variables(optimizer)
+        trainable_variables = list(trainable_variables)
+        if not optimizer.built:
+            build(trainable_variables)
+
+        def apply_to(shard_grads, shards):
+            with gradients_reduced(clipped=True):
+                cls.apply(optimizer, shard_grads, shards)
+
+        reducer.apply_sharded(optimizer, list(grads), trainable_variables, apply_to)
+
+    def save_own_variables(store):
+        reducer.save_sharded(optimizer, store, lambda s: cls.save_own_variables(optimizer, s))
+
+    def load_own_variables(store):
+        reducer.load_sharded(optimizer, store, lambda s: cls.load_own_variables(optimizer, s))
+
+    for name, method in (("build", build), ("apply", apply), ("save_own_variables", save_own_variables),
+                         ("load_own_variables", load_own_variables)):
+        object.__setattr__(optimizer, name, method)
+
+
+def build_recording_slots(optimizer, variables):
+    """Build `optimizer` (its class's own `build`) on `variables`; say what each of its variables is.
+
+    Returns one entry per ``optimizer.variables``: ``(index into variables, slot name)``
+    for a slot made by `add_variable_from_reference` (every per-entry slot of Keras's
+    optimizers: momentum, velocity, ...), None for anything else (iterations, learning rate,
+    or state not shaped like a variable).
+    """
+    index_of = {id(v): i for i, v in enumerate(variables)}
+    made = {}
+    original = optimizer.add_variable_from_reference
+
+    def add_variable_from_reference(reference_variable, name=None, initializer="zeros"):
+        slot = original(reference_variable, name=name, initializer=initializer)
+        made[id(slot)] = (index_of.get(id(reference_variable)), name or "var")
+        return slot
+
+    object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+    try:
+        type(optimizer).build(optimizer, list(variables))
+    finally:
+        object.__delattr__(optimizer, "add_variable_from_reference")
+    return [made.get(id(v)) for v in optimizer.variables]
+
+
+def built_variables(optimizer):
+    """The variables `optimizer` was built for (keras/src/optimizers/base_optimizer.py
+    `_trainable_variables`); empty before it is built."""
+    return list(getattr(optimizer, "_trainable_variables", []) or [])
+
+
+def template_optimizer(optimizer):
+    """A new, unbuilt optimizer of `optimizer`'s class and config, never sharded (for layouts)."""
+    previous = getattr(_state, "plain", False)
+    _state.plain = True
+    try:
+        return type(optimizer).from_config(optimizer.get_config())
+    finally:
+        _state.plain = previous
+
+
+def exclude_from_weight_decay_like(optimizer, pairs):
+    """Exclude each new variable of `pairs` ``(model variable, new variable)`` from weight decay
+    when its model variable is (keras/src/optimizers/base_optimizer.py keeps excluded
+    variables' keys in `_exclude_from_weight_decay`; name patterns match names, which the
+    new variables share)."""
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+    if excluded:
+        excluded |= {optimizer._var_key(new) for old, new in pairs if optimizer._var_key(old) in excluded}
+        optimizer._exclude_from_weight_decay_cache = {}
 
 
 def _patch(owner, name, wrap):

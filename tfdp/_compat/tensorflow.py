@@ -1,5 +1,8 @@
 """Every use tfdp makes of TensorFlow's non-public modules, each naming its file."""
 
+import contextlib
+import threading
+
 import tensorflow as tf
 
 # tensorflow/python/distribute/mirrored_strategy.py: the `StrategyExtendedV2` of
@@ -26,6 +29,50 @@ def local_variable(initial_value, name):
 
     with tf.init_scope(), tf.device("/cpu:0"):
         return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+
+
+_creation = threading.local()
+
+
+@contextlib.contextmanager
+def variables_local_to_this_rank():
+    """Within this block, variables created under a tfdp strategy keep this rank's value.
+
+    They are neither broadcast from rank 0 nor checked against other ranks (which run
+    collectives per variable), so ranks may create different numbers and shapes of them:
+    the shards of a sharded optimizer state, say. Unlike `local_variable`, they are created
+    by the strategy, so Keras's optimizers update them as usual.
+    """
+    previous = getattr(_creation, "local", False)
+    _creation.local = True
+    try:
+        yield
+    finally:
+        _creation.local = previous
+
+
+def creating_local_variables():
+    """True inside `variables_local_to_this_rank`."""
+    return getattr(_creation, "local", False)
+
+
+def assign_in_update_context(pairs):
+    """Assign each ``(variable, value)`` through the current strategy's `extended.update`.
+
+    Inside a step (replica context) a plain ``variable.assign`` makes a tf.distribute
+    variable reduce its new value across replicas first (`_reduce_to`: an all-reduce under
+    tfdp, per variable). Values that are already the same on every worker go in through a
+    merge call and `extended.update`, as Keras's TF optimizer
+    (keras/src/backend/tensorflow/optimizer.py `_backend_update_step`) updates weights.
+    Keras variables are unwrapped to their TF variable (`.value`).
+    """
+
+    def assign_all(strategy, pairs):
+        for variable, value in pairs:
+            variable = getattr(variable, "value", variable) if not isinstance(variable, tf.Variable) else variable
+            strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,), group=False)
+
+    tf.__internal__.distribute.interim.maybe_merge_call(assign_all, tf.distribute.get_strategy(), list(pairs))
 
 
 def global_seed():

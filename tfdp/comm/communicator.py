@@ -2,7 +2,7 @@
 
 Everything tfdp exchanges between workers goes through a `Communicator`, so
 `communication_stats()` is a count of real calls, not an estimate. Subclasses implement
-three primitives (`_allreduce`, `_allgather`, `_broadcast`); the base class does the
+four primitives (`_allreduce`, `_allgather`, `_broadcast`, `_reduce_scatter`); the base class does the
 counting, the single-worker shortcut and the grouping by dtype.
 """
 
@@ -51,6 +51,10 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _broadcast(self, tensor, root_rank):
         """Root's tensor on every worker."""
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, tensor):
+        """Sum `tensor` across workers; return this worker's block of its axis 0 (size blocks)."""
 
     def _count(self, tensors, gradients=False):
         if not tensors:
@@ -114,6 +118,21 @@ class Communicator(abc.ABC):
     def allgather(self, tensor):
         """Concatenate `tensor` from every worker along axis 0, in rank order."""
         return self.allgather_many([tensor])[0]
+
+    def reduce_scatter(self, tensor, gradients=False):
+        """Sum `tensor` across workers and return this worker's rows of the sum.
+
+        Axis 0 of `tensor` must be a multiple of the number of workers; worker r receives the
+        r-th of `size` equal blocks of rows. Counted as the bytes of the whole `tensor` (what an
+        all-reduce of it would count), though each link carries about (size - 1) / size of it.
+        """
+        if tensor.shape[0] is None or tensor.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter needs axis 0 a multiple of {self.size} workers. "
+                             f"Received shape {tensor.shape}.")
+        if self.size == 1:
+            return tensor
+        self._count([tensor], gradients)
+        return self._reduce_scatter(tensor)
 
     def broadcast(self, tensor, root_rank=0):
         """Return root's `tensor` on every worker."""
@@ -181,6 +200,11 @@ class HorovodCommunicator(Communicator):
         if len(tensors) == 1:
             return [self._hvd.allgather(tensors[0], name=name, ignore_name_scope=True)]
         return self._hvd.grouped_allgather(tensors, name=name, ignore_name_scope=True)
+
+    def _reduce_scatter(self, tensor):
+        # Gloo's reduce-scatter (halving-doubling): each worker sends about (size-1)/size of it.
+        return self._hvd.reducescatter(tensor, op=self._hvd.Sum, name=graph_collective_name("reducescatter"),
+                                       ignore_name_scope=True)
 
     def _broadcast(self, tensor, root_rank):
         return self._hvd.broadcast(tensor, root_rank, name=graph_collective_name("broadcast"),

@@ -87,6 +87,14 @@ class FakeCommunicator(Communicator):
         return [tf.constant(np.concatenate([ranks[i] for ranks in everyone]), dtype=t.dtype)
                 for i, t in enumerate(tensors)]
 
+    def _reduce_scatter(self, tensor):
+        everyone = self._meeting.swap(self._rank, _numpy(tensor))
+        total = everyone[0].copy()
+        for value in everyone[1:]:
+            total = total + value
+        block = total.shape[0] // self.size
+        return tf.constant(total[self._rank * block:(self._rank + 1) * block], dtype=tensor.dtype)
+
     def _broadcast(self, tensor, root_rank):
         everyone = self._meeting.swap(self._rank, _numpy(tensor))
         return tf.constant(everyone[root_rank], dtype=tensor.dtype)

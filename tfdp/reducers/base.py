@@ -30,10 +30,12 @@ False: a residual kept at one step's scale would be unweighted at another's.
 
 import abc
 import contextlib
+import math
 import threading
 
 import tensorflow as tf
 
+from tfdp._compat.keras import built_variables
 from tfdp.reducers.optimizer_view import view as optimizer_view
 from tfdp.reducers.state import ReducerState, ReducerStateSaveable
 
@@ -95,6 +97,8 @@ class GradientReducer(abc.ABC):
     optimizer_state_per_rank = False
     #: Weight gradients by rows inside Keras training steps (see the module docstring).
     weights_rows = True
+    #: Builds the strategy's optimizers on shards of the model (`tfdp.reducers.sharded`).
+    shards_optimizer_state = False
 
     def __init__(self, communicator, op="sum"):
         if op not in _OPS:
@@ -190,6 +194,14 @@ class GradientReducer(abc.ABC):
     def stats(self):
         """Statistics beyond the communicator's counters (a dict of numbers)."""
         return {"max_staleness": 0}
+
+    def memory_stats(self, optimizer):
+        """Bytes this worker holds for `optimizer`: its state, and the reduced gradients of a step."""
+        state = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
+        weights = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in built_variables(optimizer))
+        return {"optimizer_state_bytes": state, "sync_optimizer_state_bytes": state,
+                "reduced_gradient_bytes": weights, "sync_reduced_gradient_bytes": weights,
+                "shard_weight_bytes": 0, "partition": None}
 
 
 def _scaled(grad, factor):

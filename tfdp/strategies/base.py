@@ -109,6 +109,21 @@ class HorovodStrategy(tf.distribute.Strategy):
         stats.update(self.gradient_reducer.stats())
         return stats
 
+    def memory_stats(self, optimizer):
+        """Bytes this worker holds for `optimizer` (built), counted from its actual variables.
+
+        Returns:
+            dict with ``optimizer_state_bytes`` (every variable of the optimizer on this
+            worker), ``sync_optimizer_state_bytes`` (what it would be without
+            ``shard_optimizer_state``), ``reduced_gradient_bytes`` /
+            ``sync_reduced_gradient_bytes`` (the reduced gradients of one step), and
+            ``shard_weight_bytes`` (this worker's copies of its shard of the weights).
+
+        Example:
+            >>> strategy.memory_stats(model.optimizer)["optimizer_state_bytes"]
+        """
+        return self.gradient_reducer.memory_stats(optimizer)
+
     def training_callbacks(self, model=None, callbacks=()):
         """Callbacks tfdp adds (first, on every rank) to `fit`, `evaluate` and `predict`."""
         extra = [SettleState(self, callbacks)]

@@ -15,7 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp._compat.keras import UNKNOWN, StrategyHooks
-from tfdp._compat.tensorflow import Mirrored, MirroredExtended, in_xla_context, local_variable
+from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, creating_local_variables, in_xla_context,
+                                     local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, take_rows
@@ -116,7 +117,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
     # -- variables ----------------------------------------------------------------
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
         initial_value = kwargs["initial_value"]
-        if self._size == 1:
+        if self._size == 1 or creating_local_variables():
             return initial_value
         name = kwargs.get("name")
         dtype = kwargs.get("dtype")

@@ -2,6 +2,7 @@
 
 from tfdp.reducers import AllReduceGradients
 from tfdp.reducers.allreduce import check_bucket_bytes
+from tfdp.reducers.sharded import ShardedOptimizerState, check_partition
 from tfdp.strategies.base import HorovodStrategy
 
 
@@ -42,6 +43,14 @@ class MirroredStrategy(HorovodStrategy):
             integer: buckets of about that many bytes, last layers first, each
             all-reduced as soon as its gradients exist (overlap with backprop); the
             same sums. See `tfdp.reducers.AllReduceGradients`.
+        shard_optimizer_state: False: every worker keeps the whole optimizer state. True
+            (or ``"flat"``, ``"variables"``): ZeRO stage 1, each worker keeps the optimizer
+            state of 1/P of the model; gradients are reduce-scattered, each worker updates its
+            shard with your optimizer, the updated weights are all-gathered (the bytes of one
+            all-reduce). Same weights as without it; checkpoints hold the whole state (loadable
+            by plain Keras, or by any number of workers). `memory_stats(optimizer)` reports
+            the bytes. Not with ``bucket_bytes``, ``skip_nonfinite``, LossScaleOptimizer
+            (mixed_float16) or gradient accumulation. See `tfdp.reducers.sharded`.
 
     Example:
         >>> import keras, tfdp
@@ -52,11 +61,33 @@ class MirroredStrategy(HorovodStrategy):
         >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
     """
 
-    def __init__(self, global_step_logs=True, skip_nonfinite=False, balance=None, bucket_bytes=None):
+    def __init__(self, global_step_logs=True, skip_nonfinite=False, balance=None, bucket_bytes=None,
+                 shard_optimizer_state=False):
         check_bucket_bytes(bucket_bytes)
+        partition = _sharding(shard_optimizer_state)
+        if partition is not None and (bucket_bytes is not None or skip_nonfinite):
+            raise ValueError(
+                "shard_optimizer_state does not combine with "
+                f"{'bucket_bytes' if bucket_bytes is not None else 'skip_nonfinite=True'} (its reduce-scatter is "
+                "one collective, and each worker sees only its shard of the reduced gradients). Drop one of them.")
+
+        def make_reducer(communicator):
+            if partition is not None:
+                return ShardedOptimizerState(communicator, partition)
+            return AllReduceGradients(communicator, op="sum", bucket_bytes=bucket_bytes)
+
         super().__init__(
-            lambda communicator: AllReduceGradients(communicator, op="sum", bucket_bytes=bucket_bytes),
+            make_reducer,
             global_step_logs=global_step_logs,
             skip_nonfinite=skip_nonfinite,
             balance=balance,
         )
+
+
+def _sharding(shard_optimizer_state):
+    """The partition `shard_optimizer_state` asks for, or None (no sharding)."""
+    if shard_optimizer_state is False or shard_optimizer_state is None:
+        return None
+    if shard_optimizer_state is True:
+        return "auto"
+    return check_partition(shard_optimizer_state)

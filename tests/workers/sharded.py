@@ -1,0 +1,88 @@
+"""Digits under `MirroredStrategy(shard_optimizer_state=...)` or plain sync, saving the whole model.
+
+    --shard no|auto|flat|variables   shard_optimizer_state (no: plain sync)
+    --model mlp|conv                 conv: a conv net with synchronized batch norm
+    --optimizer sgdm|adam|adamw      adamw: AdamW with weight decay, biases excluded, global_clipnorm=1
+    --clipnorm X                     per-variable clipnorm on the optimizer
+    --batches N                      the first N global batches of 64 rows (shuffle=False)
+    --epochs N
+    --load PATH                      start from this saved model's weights and optimizer state
+    --save PATH                      rank 0 saves the whole model here at the end (model.save)
+
+Rank r writes rank<r>.json: the final weights, the optimizer's variables on this rank
+(count, bytes), `memory_stats`, peak RSS and the communication statistics.
+"""
+
+import argparse
+import resource
+
+import _common
+import keras
+
+import tfdp
+from tfdp.tools.workloads import load_digits_split
+
+BATCH = 64
+
+
+def build(kind, optimizer_name, clipnorm):
+    layers = [keras.Input((8, 8, 1))]
+    if kind == "conv":
+        layers += [keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.BatchNormalization(synchronized=True),
+                   keras.layers.Flatten(), keras.layers.Dense(64, activation="relu")]
+    else:
+        layers += [keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"),
+                   keras.layers.Dense(64, activation="relu")]
+    model = keras.Sequential(layers + [keras.layers.Dense(10)])
+    clip = {"clipnorm": clipnorm} if clipnorm else {}
+    if optimizer_name == "sgdm":
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, **clip)
+    elif optimizer_name == "adam":
+        optimizer = keras.optimizers.Adam(2e-3, **clip)
+    else:
+        optimizer = keras.optimizers.AdamW(2e-3, weight_decay=0.05, global_clipnorm=1.0)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shard", default="no")
+    parser.add_argument("--model", choices=["mlp", "conv"], default="mlp")
+    parser.add_argument("--optimizer", choices=["sgdm", "adam", "adamw"], default="adam")
+    parser.add_argument("--clipnorm", type=float)
+    parser.add_argument("--batches", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--load")
+    parser.add_argument("--save")
+    args = parser.parse_args()
+    keras.utils.set_random_seed(0)
+    x, y, _, _ = load_digits_split(0)
+    rows = min(len(x), args.batches * BATCH)
+    x, y = x[:rows], y[:rows]
+    shard = {"no": False, "auto": True}.get(args.shard, args.shard)
+    strategy = tfdp.MirroredStrategy(shard_optimizer_state=shard)
+    with strategy.scope():
+        model = build(args.model, args.optimizer, args.clipnorm)
+        if args.load:
+            model.optimizer.build(model.trainable_variables)
+            model.load_weights(args.load)
+    history = model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False, verbose=0)
+    if args.save and strategy.is_chief:
+        model.save(args.save)
+    _common.write_result(args.out, {
+        "weights": _common.weights_as_lists(model),
+        "loss": [float(v) for v in history.history["loss"]],
+        "steps": int(model.optimizer.iterations.numpy()),
+        "memory": strategy.memory_stats(model.optimizer),
+        "optimizer_variables": len(model.optimizer.variables),
+        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "stats": {k: float(v) for k, v in strategy.communication_stats().items() if isinstance(v, (int, float))},
+    })
+
+
+if __name__ == "__main__":
+    main()
