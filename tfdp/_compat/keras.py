@@ -7,8 +7,8 @@ The hooks ask two things of the objects they meet, both declared here rather tha
 discovered: a tfdp strategy's ``extended`` implements `StrategyHooks`, and a gradient
 reducer implements ``reduce``, ``after_update``, ``saveable``, ``supports_accumulation``,
 ``description`` and ``shards_optimizer_state`` (the protocol of
-`tfdp.reducers.GradientReducer`; a reducer that shards also implements ``build_sharded``,
-``apply_sharded``, ``model_variables``, ``save_sharded`` and ``load_sharded``).
+`tfdp.reducers.GradientReducer`; a reducer that shards also implements ``check_optimizer``,
+``build_sharded``, ``apply_sharded``, ``model_variables``, ``save_sharded`` and ``load_sharded``).
 """
 
 import abc
@@ -302,6 +302,7 @@ def _shard(optimizer, reducer):
     precedence over all of them, for this optimizer only. The reducer builds the optimizer
     on its shards (`build_recording_slots`) and calls back `apply_to(grads, shards)`.
     """
+    reducer.check_optimizer(optimizer)
     cls = type(optimizer)
 
     def build(variables):

@@ -42,6 +42,10 @@ from tfdp.reducers.base import GradientReducer, rows_in_this_step, variable_key
 from tfdp.reducers.optimizer_view import view as optimizer_view
 
 PARTITIONS = ("auto", "flat", "variables")
+_NOT_WHOLE = (
+    "tfdp: shard_optimizer_state shards the optimizer's own update, so it cannot hand whole gradients to "
+    "a LossScaleOptimizer (mixed_float16, whose finiteness check needs them) or a tfdp.DistributedOptimizer. "
+    "Use float32 or mixed_bfloat16 (no loss scaling), or tfdp.MirroredStrategy() without shard_optimizer_state.")
 
 # Keras optimizers whose update of an entry depends on that entry alone (plus scalars).
 _ELEMENTWISE = (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.Adamax,
@@ -192,11 +196,13 @@ class ShardedOptimizerState(GradientReducer):
 
     # -- the parts of GradientReducer that do not apply ------------------------------
     def reduce(self, grads, variables, optimizer=None):
-        raise ValueError(
-            "tfdp: shard_optimizer_state shards the optimizer's own update, so it cannot hand "
-            "whole gradients to a LossScaleOptimizer (mixed_float16) or a tfdp.DistributedOptimizer. "
-            "Use float32 or mixed_bfloat16 (no loss scaling), or tfdp.MirroredStrategy() without "
-            "shard_optimizer_state.")
+        raise ValueError(_NOT_WHOLE)
+
+    @staticmethod
+    def check_optimizer(optimizer):
+        """Raise a ValueError for optimizers whose update cannot run on shards."""
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(_NOT_WHOLE)
 
     def _reduce(self, grads, variables, opt):
         raise NotImplementedError  # `reduce` never gets here

@@ -30,12 +30,12 @@ SINGLE_WORKER = "1 worker (compute only)"
 
 
 def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads, timeout, log,
-         digits_options=(), slowdown=None):
+         digits_options=(), slowdown=None, optimizer="sgd"):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "tfdp.tools.bench_worker", "--preset", preset, "--workload", workload,
                    "--params", str(params), "--batch-size", str(batch_size), "--steps", str(steps),
-                   "--warmup-steps", str(warmup_steps), "--out", str(out), *digits_options]
+                   "--warmup-steps", str(warmup_steps), "--optimizer", optimizer, "--out", str(out), *digits_options]
         env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_NUM_INTEROP_THREADS=str(threads),
                    TF_CPP_MIN_LOG_LEVEL="2")
         env.pop(SLOWDOWN_ENV, None)
@@ -61,9 +61,11 @@ def _spread(seconds):
 
 def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e6, batch_size=32, steps=8,
               warmup_steps=3, threads=1, out_dir="bench-results", timeout=900, progress=True,
-              target_accuracy=0.95, epochs=20, slowdown=None):
+              target_accuracy=0.95, epochs=20, slowdown=None, optimizer="sgd"):
     """Run every preset, write the report files to `out_dir`, return the rows (dicts).
 
+    Synthetic workloads train with `optimizer` (``"sgd"``: plain SGD; ``"adam"``: Adam, whose
+    two slots per weight are what ``shard_optimizer_state`` shards).
     The digits workload trains `epochs` epochs and also reports the seconds to reach
     `target_accuracy` on its test split. `slowdown` (``"RANK:FACTOR,..."``, root) makes
     those workers of every multi-worker job FACTOR times slower in compute
@@ -88,7 +90,7 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             digits_options = (["--target-accuracy", str(target_accuracy), "--epochs", str(epochs)]
                               if workload == "digits" else [])
             raw[label] = _job(preset, n, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads,
-                              timeout, log, digits_options, slowdown)
+                              timeout, log, digits_options, slowdown, optimizer)
     single = raw.pop(SINGLE_WORKER)
     compute = single["median_seconds"]
     shapes = [tuple(s) for s in single["shapes"]]
@@ -105,6 +107,8 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             "payload_bytes_per_step": r["payload_bytes_per_step"],
             "link_bytes_per_step": r["link_bytes_per_step"],
             "compute_ms": 1000 * compute,
+            "optimizer_state_bytes": (r.get("memory") or {}).get("optimizer_state_bytes"),
+            "peak_rss_bytes": 1024 * r["peak_rss_kb"] if r.get("peak_rss_kb") else None,
         }
         row.update(_balance_columns(r, workers, batch_size))
         for key in ("seconds_to_target", "epochs_to_target", "final_accuracy", "target_accuracy"):
@@ -143,6 +147,10 @@ def _balance_columns(result, workers, batch_size):
             "share_history": stats["history"], "steps_run": result["warmup_steps"] + result["steps"] + 1}
 
 
+def _mb(count):
+    return None if count is None else count / 1e6
+
+
 def _fmt(value, spec, missing="–"):
     return missing if value is None else format(value, spec)
 
@@ -156,8 +164,9 @@ def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None):
         f"batch {first['batch_size_per_worker']} per worker; one worker alone: {1000 * compute_seconds:.1f} ms/step.",
         "",
         "| preset | ms/step (median) | min–max | samples/s | vs sync | scaling eff. | payload MB/step "
-        "| link MB/step | link/payload | advisor ms | measured/advisor | shares | busy ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| link MB/step | link/payload | advisor ms | measured/advisor | shares | busy ms/step "
+        "| optimizer state MB (rank 0) | peak RSS MB (rank 0) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     digits = "target_accuracy" in first
     if digits:
@@ -173,7 +182,9 @@ def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None):
             f"| {r['scaling_efficiency']:.2f} | {r['payload_bytes_per_step'] / 1e6:.3f} | {_fmt(link_mb, '.3f')} "
             f"| {_fmt(r.get('link_over_payload'), '.3f')} | {_fmt(r.get('predicted_ms'), '.1f')} "
             f"| {_fmt(r.get('measured_over_predicted'), '.2f')} | {'/'.join(f'{x:.2f}' for x in r['shares'])} "
-            f"| {'–' if r['busy_ms'] is None else '/'.join(f'{x:.0f}' for x in r['busy_ms'])} |" + target)
+            f"| {'–' if r['busy_ms'] is None else '/'.join(f'{x:.0f}' for x in r['busy_ms'])} "
+            f"| {_fmt(_mb(r.get('optimizer_state_bytes')), '.2f')} | {_fmt(_mb(r.get('peak_rss_bytes')), '.0f')} |"
+            + target)
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ over those steps and, on emulated hosts, the bytes that crossed this host's link
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -56,10 +57,13 @@ class StepProbe(keras.callbacks.Callback):
         self._mark()
 
 
-def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe):
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(1e-3), "adam": lambda: keras.optimizers.Adam(1e-4)}
+
+
+def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe, optimizer="sgd"):
     with strategy.scope():
         model = workloads.SYNTHETIC[workload](params)
-        model.compile(optimizer=keras.optimizers.SGD(1e-3), jit_compile=False,
+        model.compile(optimizer=OPTIMIZERS[optimizer](), jit_compile=False,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     # `batch_size` is per worker, so every job does the same work per worker and step.
     global_batch = batch_size * strategy.num_replicas_in_sync
@@ -94,7 +98,8 @@ def _train_digits(strategy, batch_size, probe, target_accuracy, epochs):
     }
 
 
-def run(preset, workload, params, batch_size, steps, warmup_steps, target_accuracy=0.95, epochs=20):
+def run(preset, workload, params, batch_size, steps, warmup_steps, target_accuracy=0.95, epochs=20,
+        optimizer="sgd"):
     """Train `workload` with preset `preset`; return the timing summary (a dict).
 
     Synthetic workloads time `steps` steps after `warmup_steps`; digits trains `epochs`
@@ -110,7 +115,8 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
     if workload == "digits":
         model, extra = _train_digits(strategy, batch_size, probe, target_accuracy, epochs)
     else:
-        model, extra = _train_synthetic(strategy, workload, params, batch_size, warmup_steps + steps, probe)
+        model, extra = _train_synthetic(strategy, workload, params, batch_size, warmup_steps + steps, probe,
+                                        optimizer)
     timed = probe.marks[warmup_steps:]
     steps = len(timed) - 1
     seconds = [b[0] - a[0] for a, b in zip(timed, timed[1:])]
@@ -128,6 +134,9 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
         "shapes": [list(v.shape) for v in model.trainable_variables],
         "slowdown": slowdown,
         "balance": strategy.balance_stats() if hasattr(strategy, "balance_stats") else None,
+        "optimizer": optimizer if workload != "digits" else "adam",
+        "memory": strategy.memory_stats(model.optimizer) if hasattr(strategy, "memory_stats") else None,
+        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         **extra,
     }
 
@@ -142,10 +151,11 @@ def main(argv=None):
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--target-accuracy", type=float, default=0.95)
     parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args.preset, args.workload, int(args.params), args.batch_size, args.steps, args.warmup_steps,
-                 args.target_accuracy, args.epochs)
+                 args.target_accuracy, args.epochs, args.optimizer)
     if int(os.environ.get("HOROVOD_RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

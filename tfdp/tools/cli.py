@@ -102,7 +102,8 @@ def _bench(args):
     bench.run_bench(args.presets, workers=args.np, rate_mbit=args.rate_mbit, workload=args.workload,
                     params=args.params, batch_size=args.batch_size, steps=args.steps,
                     warmup_steps=args.warmup_steps, threads=args.threads, out_dir=args.out, timeout=args.timeout,
-                    target_accuracy=args.target_accuracy, epochs=args.epochs, slowdown=args.slowdown)
+                    target_accuracy=args.target_accuracy, epochs=args.epochs, slowdown=args.slowdown,
+                    optimizer=args.optimizer)
     print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, bench.png (worker output: bench.log)")
     return 0
@@ -171,6 +172,8 @@ def build_parser():
     bench.add_argument("--epochs", type=int, default=20, help="digits only")
     bench.add_argument("--slowdown", help="RANK:FACTOR[,...]: those workers compute FACTOR x slower "
                        "(a CPU quota; root), e.g. 1:2")
+    bench.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                       help="optimizer of the mlp and cnn workloads (adam: two slots per weight)")
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(handler=_bench)
     return parser
