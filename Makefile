@@ -42,11 +42,12 @@ bench-hosts: setup
 		--epochs 15 --target-accuracy 0.95 --out $(RESULTS)/hosts-100mbit-digits
 
 # Heterogeneous workers (root): rank 1 under a CPU quota of half a CPU, balanced against sync,
-# then the same without a slow worker, then 4 workers.
+# then the same without a slow worker, then 4 workers (4 processes share 2 cores, half a CPU
+# each, so rank 1 gets a quarter CPU: about 2x slower than the others).
 bench-balance: setup
 	.venv/bin/tfdp bench --presets sync balanced --workload cnn --batch-size 64 --rate-mbit 1000 \
 		--steps 40 --warmup-steps 60 --slowdown 1:2 --out $(RESULTS)/hosts-balanced-slow1x2
 	.venv/bin/tfdp bench --presets sync balanced --workload cnn --batch-size 64 --rate-mbit 1000 \
 		--steps 40 --warmup-steps 60 --out $(RESULTS)/hosts-balanced-noslow
 	.venv/bin/tfdp bench --presets sync balanced -np 4 --workload cnn --batch-size 64 --rate-mbit 1000 \
-		--steps 40 --warmup-steps 60 --slowdown 1:2 --out $(RESULTS)/hosts-balanced-4workers-slow1x2
+		--steps 40 --warmup-steps 60 --slowdown 1:4 --out $(RESULTS)/hosts-balanced-4workers-slow1x2

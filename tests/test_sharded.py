@@ -116,8 +116,13 @@ def assert_same_as_sync(tmp_path, workers, *args, partition="auto", memory_bound
     changes: sync on `workers` against one process, for models where Adam amplifies a
     different order of float summation (a reduce-scatter sums in another order than an
     all-reduce) beyond 1e-6."""
-    sync, sync_file = run(tmp_path, "sync", workers, "--shard", "no", *args)
-    sharded, sharded_file = run(tmp_path, "sharded", workers, "--shard", partition, *args)
+    if partition == "auto" and not noise_bound:  # one launch: sync, then sharded, in the same processes
+        both, saved = run(tmp_path, "both", workers, "--shard", "both", *args)
+        sync, sharded = [r["no"] for r in both], [r["auto"] for r in both]
+        sync_file, sharded_file = (saved.with_name(f"model-{mode}.keras") for mode in ("no", "auto"))
+    else:
+        sync, sync_file = run(tmp_path, "sync", workers, "--shard", "no", *args)
+        sharded, sharded_file = run(tmp_path, "sharded", workers, "--shard", partition, *args)
     slots, sync_slots = saved_optimizer(sharded_file), saved_optimizer(sync_file)
     bound = slots_bound = EQUAL
     if noise_bound:
@@ -139,8 +144,9 @@ def assert_same_as_sync(tmp_path, workers, *args, partition="auto", memory_bound
         memory, sync_memory = sharded[rank]["memory"], sync[rank]["memory"]
         share = memory["optimizer_state_bytes"] / sync_memory["optimizer_state_bytes"]
         print(f"rank {rank}: optimizer state {memory['optimizer_state_bytes']} of "
-              f"{sync_memory['optimizer_state_bytes']} bytes ({share:.3f}), "
-              f"peak RSS {sharded[rank]['peak_rss_kb']} vs {sync[rank]['peak_rss_kb']} kB")
+              f"{sync_memory['optimizer_state_bytes']} bytes ({share:.3f})" + (
+              "" if partition == "auto" and not noise_bound else  # one process ran both: one peak
+              f", peak RSS {sharded[rank]['peak_rss_kb']} vs {sync[rank]['peak_rss_kb']} kB"))
         assert memory["sync_optimizer_state_bytes"] == sync_memory["optimizer_state_bytes"]
         if memory_bound:
             assert share <= 1 / workers + 0.05
@@ -162,7 +168,7 @@ def test_sharded_matches_sync(tmp_path, workers, model, optimizer):
     # about 1e-5 there), so the bound is what distributing alone changes. Not here: the conv
     # net with AdamW (weight decay and global_clipnorm), whose trajectory is bimodal at
     # rounding level (one process, sync on 2 and sharded on 4 end on one side; sync on 4 and
-    # sharded on 2 on the other, 2.4e-3 apart): see docs/sharding.md.
+    # sharded on 2 on the other, 2.4e-3 apart): see docs/results.md, optimizer-state sharding.
     name, *extra = optimizer.split()
     assert_same_as_sync(tmp_path, workers, "--model", model, "--optimizer", name, *extra,
                         noise_bound=(workers, model) == (4, "conv"))

@@ -1,6 +1,7 @@
 """Digits under `MirroredStrategy(shard_optimizer_state=...)` or plain sync, saving the whole model.
 
-    --shard no|auto|flat|variables   shard_optimizer_state (no: plain sync)
+    --shard no|auto|flat|variables|both   shard_optimizer_state (no: plain sync; both: sync, then
+                                     auto, in the same processes; --save PATH gets -no / -auto)
     --model mlp|conv                 conv: a conv net with synchronized batch norm
     --optimizer sgdm|adam|adamw      adamw: AdamW with weight decay, biases excluded, global_clipnorm=1
     --clipnorm X                     per-variable clipnorm on the optimizer
@@ -59,29 +60,34 @@ def main():
     parser.add_argument("--load")
     parser.add_argument("--save")
     args = parser.parse_args()
-    keras.utils.set_random_seed(0)
     x, y, _, _ = load_digits_split(0)
     rows = min(len(x), args.batches * BATCH)
     x, y = x[:rows], y[:rows]
-    shard = {"no": False, "auto": True}.get(args.shard, args.shard)
-    strategy = tfdp.MirroredStrategy(shard_optimizer_state=shard)
-    with strategy.scope():
-        model = build(args.model, args.optimizer, args.clipnorm)
-        if args.load:
-            model.optimizer.build(model.trainable_variables)
-            model.load_weights(args.load)
-    history = model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False, verbose=0)
-    if args.save and strategy.is_chief:
-        model.save(args.save)
-    _common.write_result(args.out, {
-        "weights": _common.weights_as_lists(model),
-        "loss": [float(v) for v in history.history["loss"]],
-        "steps": int(model.optimizer.iterations.numpy()),
-        "memory": strategy.memory_stats(model.optimizer),
-        "optimizer_variables": len(model.optimizer.variables),
-        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "stats": {k: float(v) for k, v in strategy.communication_stats().items() if isinstance(v, (int, float))},
-    })
+    results = {}
+    # "both": sync, then sharded, in the same processes (one launch instead of two).
+    for mode in (["no", "auto"] if args.shard == "both" else [args.shard]):
+        keras.utils.set_random_seed(0)
+        shard = {"no": False, "auto": True}.get(mode, mode)
+        strategy = tfdp.MirroredStrategy(shard_optimizer_state=shard)
+        with strategy.scope():
+            model = build(args.model, args.optimizer, args.clipnorm)
+            if args.load:
+                model.optimizer.build(model.trainable_variables)
+                model.load_weights(args.load)
+        history = model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False, verbose=0)
+        save = args.save and (args.save if args.shard != "both" else f"{args.save[:-len('.keras')]}-{mode}.keras")
+        if save and strategy.is_chief:
+            model.save(save)
+        results[mode] = {
+            "weights": _common.weights_as_lists(model),
+            "loss": [float(v) for v in history.history["loss"]],
+            "steps": int(model.optimizer.iterations.numpy()),
+            "memory": strategy.memory_stats(model.optimizer),
+            "optimizer_variables": len(model.optimizer.variables),
+            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "stats": {k: float(v) for k, v in strategy.communication_stats().items() if isinstance(v, (int, float))},
+        }
+    _common.write_result(args.out, results if args.shard == "both" else results[args.shard])
 
 
 if __name__ == "__main__":
