@@ -59,7 +59,9 @@ def test_advise_orders_fastest_first_and_recommends_compression_on_a_slow_link()
     rows = advisor.advise(MATRIX, 2, B, 0.5, latency_seconds=0)
     times = [r.seconds_per_step for r in rows]
     assert times == sorted(times)
-    assert rows[0].preset == "powersgd-r4" and rows[-1].preset == "sync"
+    slowest = {r.preset: r.seconds_per_step for r in rows}
+    # zero1 moves what sync moves (a reduce-scatter and an all-gather): the two tie, last.
+    assert rows[0].preset == "powersgd-r4" and slowest["sync"] == slowest["zero1"] == times[-1]
     fast_link = advisor.advise(MATRIX, 2, 1e12, 0.5, latency_seconds=0)
     assert all(abs(r.seconds_per_step - 0.5) < 1e-3 for r in fast_link)  # compute-bound: all equal
 
