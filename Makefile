@@ -1,7 +1,7 @@
 # All set-up happens in tools/setup_env.sh (idempotent: a second run takes seconds).
 PY := .venv/bin/python
 
-.PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts bench-balance
+.PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts bench-balance bench-zero1
 setup:
 	bash tools/setup_env.sh
 
@@ -40,6 +40,16 @@ bench-hosts: setup
 		--out $(RESULTS)/loopback-cnn
 	.venv/bin/tfdp bench --presets sync fp16 topk-1pct async-s1 --workload digits --rate-mbit 100 \
 		--epochs 15 --target-accuracy 0.95 --out $(RESULTS)/hosts-100mbit-digits
+
+# Optimizer-state sharding: zero1 against sync with Adam on loopback (the make-bench MLP size,
+# then 6 M parameters on 4 workers for memory), then link bytes on 2 emulated hosts (root).
+bench-zero1: setup
+	.venv/bin/tfdp bench --presets sync zero1 --workload mlp --params 670000 --batch-size 32 --optimizer adam \
+		--steps 60 --warmup-steps 10 --out $(RESULTS)/loopback-zero1
+	.venv/bin/tfdp bench --presets sync zero1 -np 4 --workload mlp --params 6e6 --batch-size 16 --optimizer adam \
+		--steps 16 --out $(RESULTS)/loopback-zero1-4workers-6M
+	.venv/bin/tfdp bench --presets sync zero1 --rate-mbit 100 --workload mlp --params 1e6 --batch-size 32 \
+		--optimizer adam --steps 12 --out $(RESULTS)/hosts-100mbit-zero1
 
 # Heterogeneous workers (root): rank 1 under a CPU quota of half a CPU, balanced against sync,
 # then the same without a slow worker, then 4 workers (4 processes share 2 cores, half a CPU
