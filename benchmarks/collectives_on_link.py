@@ -1,0 +1,70 @@
+"""Time Horovod's collectives alone on emulated hosts: where a step's communication time goes.
+
+Each worker runs every collective 8 times on a 4 MB float32 vector (1 M entries, an MLP's
+gradient) inside a `tf.function`; rank 0 prints the median and the fastest. Found with it
+(2 hosts at 100 Mbit/s): an all-gather of 2 MB per worker took 317 ms, twice the 167-176 ms of
+a reduce-scatter or of an all-to-all moving the same bytes; reduce-scatter then all-gather (what
+zero1 runs) 486 ms against 335 ms for sync's all-reduce. Swapping zero1's all-gather for an
+all-to-all did not speed up its training step (0.67x sync, tried and reverted), so the cost is
+not that collective alone (docs/results.md, optimizer-state sharding). Needs root.
+
+    .venv/bin/python benchmarks/collectives_on_link.py [--rate-mbit 100] [-np 2]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ENTRIES = 1_000_000
+
+
+def measure():
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    size = hvd.size()
+    vector = tf.random.uniform([size * (ENTRIES // size)])
+    shard = vector[: ENTRIES // size]
+    cases = {
+        "allreduce (sync)": lambda: hvd.allreduce(vector, op=hvd.Sum, name="ar"),
+        "reducescatter": lambda: hvd.reducescatter(tf.reshape(vector, [size, -1]), op=hvd.Sum, name="rs"),
+        "allgather": lambda: hvd.allgather(shard, name="ag"),
+        "alltoall as allgather": lambda: hvd.alltoall(tf.tile(shard, [size]), name="a2a"),
+        "reducescatter + allgather (zero1)": lambda: hvd.allgather(
+            tf.reshape(hvd.reducescatter(tf.reshape(vector, [size, -1]), op=hvd.Sum, name="rs2"), [-1]), name="ag2"),
+    }
+    for name, body in cases.items():
+        step = tf.function(body)
+        step()
+        seconds = []
+        for _ in range(8):
+            start = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - start)
+        if hvd.rank() == 0:
+            median, fastest = 1000 * statistics.median(seconds), 1000 * min(seconds)
+            print(f"{name:36s} median {median:7.1f} ms   fastest {fastest:7.1f} ms", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rate-mbit", type=float, default=100)
+    parser.add_argument("-np", type=int, default=2)
+    args = parser.parse_args()
+    from tfdp.tools.launcher import launch
+
+    result = launch([sys.executable, os.path.abspath(__file__), "--worker"], args.np, rate_mbit=args.rate_mbit,
+                    timeout=600, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, sink=None)
+    print(f"{args.np} emulated hosts at {args.rate_mbit:g} Mbit/s, {4 * ENTRIES / 1e6:.0f} MB of float32:")
+    print("\n".join(line.split(":", 1)[1] for line in result.output.splitlines() if "median" in line))
+    return result.returncode
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        measure()
+    else:
+        sys.exit(main())
