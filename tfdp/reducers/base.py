@@ -197,11 +197,16 @@ class GradientReducer(abc.ABC):
 
     def memory_stats(self, optimizer):
         """Bytes this worker holds for `optimizer`: its state, and the reduced gradients of a step."""
-        state = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
-        weights = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in built_variables(optimizer))
+        state = sum(variable_bytes(v) for v in optimizer.variables)
+        weights = sum(variable_bytes(v) for v in built_variables(optimizer))
         return {"optimizer_state_bytes": state, "sync_optimizer_state_bytes": state,
                 "reduced_gradient_bytes": weights, "sync_reduced_gradient_bytes": weights,
                 "shard_weight_bytes": 0, "partition": None}
+
+
+def variable_bytes(variable):
+    """The bytes of a variable's value (Keras or TF variable), from its shape and dtype."""
+    return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
 
 
 def _scaled(grad, factor):

@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from tfdp._compat.keras import build_recording_slots, exclude_from_weight_decay_like, template_optimizer
 from tfdp._compat.tensorflow import assign_in_update_context, variables_local_to_this_rank
-from tfdp.reducers.base import GradientReducer, rows_in_this_step, variable_key
+from tfdp.reducers.base import GradientReducer, rows_in_this_step, variable_bytes, variable_key
 from tfdp.reducers.optimizer_view import view as optimizer_view
 
 PARTITIONS = ("auto", "flat", "variables")
@@ -228,7 +228,7 @@ class ShardedOptimizerState(GradientReducer):
             template = template_optimizer(optimizer)
             template_kinds = build_recording_slots(template, variables)
             layout_shapes = [tuple(v.shape) for v in template.variables]
-            layout_bytes = sum(_nbytes(v) for v in template.variables)
+            layout_bytes = sum(variable_bytes(v) for v in template.variables)
             del template
             shards = [keras.Variable(self._piece_value(variables[p.variable], p), name=variables[p.variable].name,
                                      dtype=variables[p.variable].dtype) for p in pieces]
@@ -413,20 +413,16 @@ class ShardedOptimizerState(GradientReducer):
         if s is None:
             return super().memory_stats(optimizer)
         return {
-            "optimizer_state_bytes": sum(_nbytes(v) for v in optimizer.variables),
+            "optimizer_state_bytes": sum(variable_bytes(v) for v in optimizer.variables),
             "sync_optimizer_state_bytes": s.layout_bytes,
             "reduced_gradient_bytes": (s.plan.row_length + 1) * tf.as_dtype(s.model_variables[0].dtype).size,
-            "sync_reduced_gradient_bytes": sum(_nbytes(v) for v in s.model_variables),
-            "shard_weight_bytes": sum(_nbytes(v) for v in s.shards),
+            "sync_reduced_gradient_bytes": sum(variable_bytes(v) for v in s.model_variables),
+            "shard_weight_bytes": sum(variable_bytes(v) for v in s.shards),
             "partition": s.plan.partition,
         }
 
     def stats(self):
         return {"max_staleness": 0}
-
-
-def _nbytes(variable):
-    return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
 
 
 __all__ = ["PARTITIONS", "Piece", "ShardPlan", "ShardedOptimizerState", "check_partition"]
