@@ -33,6 +33,20 @@ def test_losing_a_worker_continues_with_the_others(tmp_path, uninterrupted_two_w
     assert abs(result["accuracy"] - uninterrupted_two_workers["accuracy"]) <= ACCURACY_BAND
 
 
+def test_sharded_optimizer_state_survives_losing_a_worker(tmp_path, uninterrupted_two_workers):
+    # Each of 3 workers holds 1/3 of Adam's state: a commit gathers it whole, so the state of
+    # the killed worker's shard is not lost and reshards onto the 2 that remain.
+    run = run_elastic("elastic.py", 3, 2, 3, "hosts3.sh", ["--out", tmp_path, "--die-rank", "2", "--shard"])
+    assert run.returncode == 0, run.output[-3000:]
+    assert "Process 2 exit with status code 137" in run.output
+    result = _result(tmp_path)
+    print(f"\nrestored vs last commit {result['restored_difference']}, vs the first commit "
+          f"{result['first_commit_difference']:.3g}, accuracy {result['accuracy']:.4f}")
+    assert result["sizes"] == [3, 2] and result["resets"] == 1 and result["epoch"] == 12
+    assert result["restored_difference"] == 0.0 < result["first_commit_difference"]
+    assert abs(result["accuracy"] - uninterrupted_two_workers["accuracy"]) <= ACCURACY_BAND
+
+
 def test_a_joining_worker_is_taken_in(tmp_path, uninterrupted_two_workers):
     hosts = tmp_path / "hosts.txt"
     address = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]

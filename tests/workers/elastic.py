@@ -2,6 +2,9 @@
 
     --die-rank R        rank R SIGKILLs itself in epoch 2 (first incarnation only)
     --grow-hosts-file F rank 0 adds the host of --grow-host to discovery file F in epoch 2
+    --shard             MirroredStrategy(shard_optimizer_state=True); rank 0 also records the
+                        largest difference between the optimizer state it committed last
+                        before a reset and the one training resumes with
 
 Rank 0 writes rank0.json to --out: test accuracy, final world size, resets, epochs run.
 """
@@ -14,6 +17,7 @@ from _common import write_result
 
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 import tfdp  # noqa: E402
 import tfdp.elastic  # noqa: E402
@@ -50,20 +54,55 @@ class GrowInEpoch2(keras.callbacks.Callback):
                 f.write(f"{self.host}:1\n")
 
 
+class CompareRestore(keras.callbacks.Callback):
+    """Rank 0: remember each commit's whole optimizer state; after a reset, compare the restored one."""
+
+    committed = first_commit = None  # outlive the callback: `train` makes new ones after a reset
+    restored_difference = first_commit_difference = None
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_train_begin(self, logs=None):
+        if self.state.resets and CompareRestore.restored_difference is None:
+            restored = self.state.optimizer_state()  # a collective: every rank calls it
+            CompareRestore.restored_difference = _largest_difference(restored, CompareRestore.committed)
+            # The control: the same comparison against an older commit must see a difference.
+            CompareRestore.first_commit_difference = _largest_difference(restored, CompareRestore.first_commit)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.on_epoch_end(None)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.state.resets == 0:
+            CompareRestore.committed = [np.array(v) for v in self.state._saved[2]]
+            CompareRestore.first_commit = CompareRestore.first_commit or CompareRestore.committed
+
+
+def _largest_difference(values, others):
+    assert [v.shape for v in values] == [o.shape for o in others]
+    return max(float(np.max(np.abs(v - o))) for v, o in zip(values, others))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--die-rank", type=int)
     parser.add_argument("--grow-hosts-file")
     parser.add_argument("--grow-host", default="127.0.0.1")
+    parser.add_argument("--shard", action="store_true")
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
     x_train, y_train, x_test, y_test = load_digits_split(0)
-    state = tfdp.elastic.KerasState(build_digits_model)
+    strategy = (lambda: tfdp.MirroredStrategy(shard_optimizer_state=True)) if args.shard else None
+    state = tfdp.elastic.KerasState(build_digits_model, strategy)
 
     @tfdp.elastic.run
     def train(state):
         callbacks = [tfdp.elastic.CommitEvery(state, batches=5)]
+        if args.shard:
+            callbacks.append(CompareRestore(state))  # after CommitEvery: sees each commit
         if args.die_rank is not None:
             callbacks.append(DieInEpoch2(state, args.die_rank))
         if args.grow_hosts_file:
@@ -77,7 +116,9 @@ def main():
 
     if hvd.rank() == 0:
         write_result(args.out, {"accuracy": float(accuracy), "size": hvd.size(), "resets": state.resets,
-                                "epoch": state.epoch, "sizes": state.sizes})
+                                "epoch": state.epoch, "sizes": state.sizes,
+                                "restored_difference": CompareRestore.restored_difference,
+                                "first_commit_difference": CompareRestore.first_commit_difference})
 
 
 if __name__ == "__main__":

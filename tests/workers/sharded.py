@@ -5,6 +5,9 @@
     --model mlp|conv                 conv: a conv net with synchronized batch norm
     --optimizer sgdm|adam|adamw      adamw: AdamW with weight decay, biases excluded, global_clipnorm=1
     --clipnorm X                     per-variable clipnorm on the optimizer
+    --loss-scale S                   mixed_float16, the optimizer in a LossScaleOptimizer with
+                                     initial_scale S (a large S overflows the first steps, which
+                                     are skipped while the scale halves)
     --batches N                      the first N global batches of 64 rows (shuffle=False)
     --epochs N
     --load PATH                      start from this saved model's weights and optimizer state
@@ -26,7 +29,7 @@ from tfdp.tools.workloads import load_digits_split
 BATCH = 64
 
 
-def build(kind, optimizer_name, clipnorm):
+def build(kind, optimizer_name, clipnorm, loss_scale=None):
     layers = [keras.Input((8, 8, 1))]
     if kind == "conv":
         layers += [keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.BatchNormalization(synchronized=True),
@@ -43,6 +46,8 @@ def build(kind, optimizer_name, clipnorm):
     else:
         optimizer = keras.optimizers.AdamW(2e-3, weight_decay=0.05, global_clipnorm=1.0)
         optimizer.exclude_from_weight_decay(var_names=["bias"])
+    if loss_scale:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=loss_scale)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     return model
@@ -57,9 +62,12 @@ def main():
     parser.add_argument("--clipnorm", type=float)
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--loss-scale", type=float)
     parser.add_argument("--load")
     parser.add_argument("--save")
     args = parser.parse_args()
+    if args.loss_scale:
+        keras.mixed_precision.set_global_policy("mixed_float16")
     x, y, _, _ = load_digits_split(0)
     rows = min(len(x), args.batches * BATCH)
     x, y = x[:rows], y[:rows]
@@ -70,7 +78,7 @@ def main():
         shard = {"no": False, "auto": True}.get(mode, mode)
         strategy = tfdp.MirroredStrategy(shard_optimizer_state=shard)
         with strategy.scope():
-            model = build(args.model, args.optimizer, args.clipnorm)
+            model = build(args.model, args.optimizer, args.clipnorm, args.loss_scale)
             if args.load:
                 model.optimizer.build(model.trainable_variables)
                 model.load_weights(args.load)
@@ -82,6 +90,7 @@ def main():
             "weights": _common.weights_as_lists(model),
             "loss": [float(v) for v in history.history["loss"]],
             "steps": int(model.optimizer.iterations.numpy()),
+            "loss_scale": float(model.optimizer.dynamic_scale.numpy()) if args.loss_scale else None,
             "memory": strategy.memory_stats(model.optimizer),
             "optimizer_variables": len(model.optimizer.variables),
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

@@ -1,6 +1,5 @@
 """What `shard_optimizer_state` refuses, in one plain process: prints one line per case.
 
-    mixed_float16            a LossScaleOptimizer: ValueError at compile
     gradient accumulation    ValueError at fit
     saving by hand unsettled RuntimeError naming strategy.settle (a negative control: after
                              settling, the same save works)
@@ -32,9 +31,6 @@ def report(case, action):
 def main():
     x, y = np.random.rand(64, 4).astype("float32"), np.random.rand(64, 1).astype("float32")
     strategy = tfdp.MirroredStrategy(shard_optimizer_state=True)
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    report("mixed_float16", lambda: model_under(strategy))
-    keras.mixed_precision.set_global_policy("float32")
     accumulating = model_under(strategy, gradient_accumulation_steps=2)
     report("accumulation", lambda: accumulating.fit(x, y, batch_size=16, verbose=0))
     model = model_under(strategy)

@@ -21,6 +21,7 @@ import weakref
 _installed = False
 _state = threading.local()
 _bound_reducers = weakref.WeakKeyDictionary()  # optimizer -> reducer, for DistributedOptimizer
+_sharded_optimizers = weakref.WeakSet()  # optimizers whose build/apply/save a sharding reducer runs
 REDUCER_STATE_ATTRIBUTE = "_tfdp_reducer_state"
 
 
@@ -189,7 +190,7 @@ def _reduce_before_apply(method):
     @functools.wraps(method)
     def wrapper(self, grads, trainable_variables=None):
         reducer = _reducer_to_apply(self)
-        if reducer is None:
+        if reducer is None or reducer.shards_optimizer_state:  # a sharded inner optimizer reduces its shards
             return method(self, grads, trainable_variables)
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         grads = _reduce(reducer, grads, variables, self)
@@ -286,7 +287,9 @@ def _attach_state_on_creation(method):
         if reducer is not None:
             attach_reducer_state(self, reducer)
             if reducer.shards_optimizer_state:
-                _shard(self, reducer)
+                from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+                (_scale_losses_of_shards if isinstance(self, LossScaleOptimizer) else _shard)(self, reducer)
 
     wrapper._tfdp_original = method
     return wrapper
@@ -332,6 +335,63 @@ def _shard(optimizer, reducer):
     for name, method in (("build", build), ("apply", apply), ("save_own_variables", save_own_variables),
                          ("load_own_variables", load_own_variables)):
         object.__setattr__(optimizer, name, method)
+    _sharded_optimizers.add(optimizer)
+
+
+def _scale_losses_of_shards(optimizer, reducer):
+    """Make a `LossScaleOptimizer` work over a sharded inner optimizer.
+
+    keras/src/optimizers/loss_scale_optimizer.py: `apply` asks `check_finite(grads)`, then
+    in one `cond` branch divides the gradients by the scale and calls
+    `inner_optimizer.apply`; `build` builds the inner optimizer; `variables` (and so
+    `save_own_variables`) are its own ``_variables`` followed by the inner optimizer's.
+    Here the local gradients arrive unreduced (the sharded inner optimizer reduces its
+    shards), so the finiteness check becomes one decision for all workers (an all-reduce of
+    one flag: a non-finite value on any rank is one in the sum), and the saved layout is its
+    own variables followed by the inner optimizer's whole (sync-layout) state.
+    """
+    cls = type(optimizer)
+
+    def check_finite(grads):
+        return reducer.all_finite(cls.check_finite(optimizer, grads))
+
+    def build(variables):
+        inner = optimizer.inner_optimizer
+        if inner not in _sharded_optimizers:  # created outside the strategy's scope
+            _shard(inner, reducer)
+        cls.build(optimizer, variables)
+
+    def save_own_variables(store):
+        for i, variable in enumerate(optimizer._variables):
+            store[str(i)] = variable.numpy()
+        optimizer.inner_optimizer.save_own_variables(_ShiftedStore(store, len(optimizer._variables)))
+
+    def load_own_variables(store):
+        own = len(optimizer._variables)
+        for i, variable in enumerate(optimizer._variables):
+            if str(i) in store.keys():
+                variable.assign(store[str(i)])
+        optimizer.inner_optimizer.load_own_variables(_ShiftedStore(store, own))
+
+    for name, method in (("check_finite", check_finite), ("build", build),
+                         ("save_own_variables", save_own_variables), ("load_own_variables", load_own_variables)):
+        object.__setattr__(optimizer, name, method)
+
+
+class _ShiftedStore:
+    """Entries ``offset, offset + 1, ...`` of a Keras variable store, as ``0, 1, ...``."""
+
+    def __init__(self, store, offset):
+        self.store, self.offset = store, offset
+
+    def keys(self):
+        return [str(int(k) - self.offset) for k in self.store.keys() if int(k) >= self.offset]
+
+    def __getitem__(self, key):
+        return self.store[str(int(key) + self.offset)]
+
+    def __setitem__(self, key, value):
+        self.store[str(int(key) + self.offset)] = value
 
 
 def build_recording_slots(optimizer, variables):

@@ -3,8 +3,9 @@
 Horovod's `KerasState` does not work on Keras 3, and its TensorFlow `run` decorator does not
 recognise the grouped all-reduce tfdp uses (a failure there would be swallowed). Here:
 
-- `KerasState(build_model, strategy_factory)` keeps the model, the optimizer state and the
-  epoch in host memory (`commit`), rebuilds strategy and model after every change of
+- `KerasState(build_model, strategy_factory)` keeps the model, the optimizer state (whole,
+  gathered from every worker under ``shard_optimizer_state``) and the epoch in host memory
+  (`commit`), rebuilds strategy and model after every change of
   workers (the world size is fixed in a `tf.distribute` strategy), and brings every worker
   to rank 0's committed state (`sync`, by broadcasting the variables: no pickle).
 - `run(func)` retries `func(state)` after a worker is lost (the collective fails: the last
@@ -56,7 +57,7 @@ class KerasState(elastic_state_base()):
         self.epoch = 0
         self.resets = 0
         self.sizes = []  # the world size of every (re)start, in order
-        self._saved = None  # (epoch, model weights, optimizer variables) as numpy
+        self._saved = None  # (epoch, model weights, whole optimizer state) as numpy
 
     def _variables(self):
         optimizer = self.model.optimizer
@@ -64,6 +65,33 @@ class KerasState(elastic_state_base()):
             with self.strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         return list(self.model.weights), list(optimizer.variables)
+
+    def _sharded(self):
+        return self.strategy.extended.gradient_reducer.shards_optimizer_state
+
+    def optimizer_state(self):
+        """The whole optimizer state as numpy arrays, in the order a sync optimizer saves it.
+
+        Under ``shard_optimizer_state`` each worker holds 1/P of it: this gathers it (a
+        collective, on every worker), so that a commit survives the loss of any worker and
+        loads into another number of workers.
+        """
+        optimizer = self.model.optimizer
+        self._variables()
+        if not self._sharded():
+            return [np.array(v) for v in optimizer.variables]
+        self.strategy.settle(optimizer)
+        store = {}
+        optimizer.save_own_variables(store)
+        return [np.asarray(store[str(i)]) for i in range(len(store))]
+
+    def _load_optimizer_state(self, values):
+        optimizer = self.model.optimizer
+        if not self._sharded():
+            for variable, value in zip(optimizer.variables, values):
+                variable.assign(value)
+            return
+        optimizer.load_own_variables({str(i): value for i, value in enumerate(values)})
 
     def _rebuild(self):
         # A joining worker builds its first model, the others their second: reset Keras's
@@ -76,8 +104,8 @@ class KerasState(elastic_state_base()):
         self._variables()
 
     def save(self):
-        weights, optimizer_variables = self._variables()
-        self._saved = (self.epoch, [np.array(v) for v in weights], [np.array(v) for v in optimizer_variables])
+        weights, _ = self._variables()
+        self._saved = (self.epoch, [np.array(v) for v in weights], self.optimizer_state())
 
     def restore(self):
         if self._saved is not None:
@@ -91,14 +119,18 @@ class KerasState(elastic_state_base()):
     def sync(self):
         if self.model is None:
             self._rebuild()
-        weights, optimizer_variables = self._variables()
+        weights, _ = self._variables()
+        # Every worker (a joining one too) learns the state's shapes from its new model.
+        optimizer_state = self.optimizer_state()
         if self._saved is not None:
-            _, saved_weights, saved_optimizer = self._saved
-            for variable, value in zip(weights + optimizer_variables, saved_weights + saved_optimizer):
+            _, saved_weights, optimizer_state = self._saved
+            for variable, value in zip(weights, saved_weights):
                 variable.assign(value)
         communicator = self.strategy.extended.communicator
-        for variable in weights + optimizer_variables:
+        for variable in weights:
             variable.assign(communicator.broadcast(tf.convert_to_tensor(variable), root_rank=0))
+        self._load_optimizer_state([communicator.broadcast(tf.convert_to_tensor(value), root_rank=0).numpy()
+                                    for value in optimizer_state])
         self.epoch = int(communicator.broadcast(tf.constant([self.epoch], tf.int64), root_rank=0).numpy()[0])
         self.save()
 

@@ -43,9 +43,9 @@ from tfdp.reducers.optimizer_view import view as optimizer_view
 
 PARTITIONS = ("auto", "flat", "variables")
 _NOT_WHOLE = (
-    "tfdp: shard_optimizer_state shards the optimizer's own update, so it cannot hand whole gradients to "
-    "a LossScaleOptimizer (mixed_float16, whose finiteness check needs them) or a tfdp.DistributedOptimizer. "
-    "Use float32 or mixed_bfloat16 (no loss scaling), or tfdp.MirroredStrategy() without shard_optimizer_state.")
+    "tfdp: shard_optimizer_state shards the optimizer's own update, so it cannot hand whole reduced gradients "
+    "to a tfdp.DistributedOptimizer or to custom code. Create the optimizer under strategy.scope() and let "
+    "it apply the gradients, or use tfdp.MirroredStrategy() without shard_optimizer_state.")
 
 # Keras optimizers whose update of an entry depends on that entry alone (plus scalars).
 _ELEMENTWISE = (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.Adamax,
@@ -173,8 +173,9 @@ class ShardedOptimizerState(GradientReducer):
     """Shard the optimizer state (and the reduced gradients) across workers: ZeRO stage 1.
 
     The strategy's optimizers are built on this worker's shards; `apply_sharded` runs the
-    step described in the module docstring. Not with `LossScaleOptimizer` (its finiteness
-    check is local) or gradient accumulation.
+    step described in the module docstring. Under a `LossScaleOptimizer` (mixed_float16) the
+    inner optimizer is sharded and the finiteness check is one decision for all workers
+    (`all_finite`). Not with gradient accumulation.
 
     Example:
         >>> strategy = tfdp.MirroredStrategy(shard_optimizer_state=True)
@@ -202,7 +203,12 @@ class ShardedOptimizerState(GradientReducer):
     def check_optimizer(optimizer):
         """Raise a ValueError for optimizers whose update cannot run on shards."""
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise ValueError(_NOT_WHOLE)
+            raise ValueError("tfdp: a LossScaleOptimizer is not sharded itself; its inner optimizer is.")
+
+    def all_finite(self, finite):
+        """True on every rank when `finite` (this rank's verdict, a boolean tensor) is True on all."""
+        nonfinite = tf.reshape(tf.cast(tf.logical_not(finite), tf.float32), [1])
+        return tf.equal(self.communicator.allreduce([nonfinite], op="sum")[0][0], 0.0)
 
     def _reduce(self, grads, variables, opt):
         raise NotImplementedError  # `reduce` never gets here
@@ -258,7 +264,7 @@ class ShardedOptimizerState(GradientReducer):
         return tf.reshape(variable, [-1])[piece.start:piece.stop]
 
     def _shards_of(self, optimizer):
-        shards = self._by_optimizer.get(optimizer)
+        shards = self._by_optimizer.get(_inner(optimizer))
         if shards is None:
             raise RuntimeError("tfdp: this optimizer is not built on shards yet; call it through fit, or "
                                "optimizer.build(model.trainable_variables) first.")
@@ -354,6 +360,7 @@ class ShardedOptimizerState(GradientReducer):
     # -- checkpoints ----------------------------------------------------------------
     def settle(self, apply_gradients, optimizer=None):
         """Gather every slot onto every rank, in the layout a sync optimizer saves (a collective)."""
+        optimizer = _inner(optimizer)
         s = self._by_optimizer.get(optimizer)
         if s is None:
             return
@@ -409,12 +416,14 @@ class ShardedOptimizerState(GradientReducer):
 
     # -- reporting ------------------------------------------------------------------
     def memory_stats(self, optimizer):
-        s = self._by_optimizer.get(optimizer)
+        s = self._by_optimizer.get(_inner(optimizer))
         if s is None:
             return super().memory_stats(optimizer)
+        # A LossScaleOptimizer's own scalars come on top, for sync as here.
+        wrapper = sum(variable_bytes(v) for v in optimizer._variables) if optimizer is not _inner(optimizer) else 0
         return {
             "optimizer_state_bytes": sum(variable_bytes(v) for v in optimizer.variables),
-            "sync_optimizer_state_bytes": s.layout_bytes,
+            "sync_optimizer_state_bytes": s.layout_bytes + wrapper,
             "reduced_gradient_bytes": (s.plan.row_length + 1) * tf.as_dtype(s.model_variables[0].dtype).size,
             "sync_reduced_gradient_bytes": sum(variable_bytes(v) for v in s.model_variables),
             "shard_weight_bytes": sum(variable_bytes(v) for v in s.shards),
@@ -423,6 +432,11 @@ class ShardedOptimizerState(GradientReducer):
 
     def stats(self):
         return {"max_staleness": 0}
+
+
+def _inner(optimizer):
+    """The optimizer that holds the shards: a LossScaleOptimizer's inner optimizer, or `optimizer`."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
 
 
 __all__ = ["PARTITIONS", "Piece", "ShardPlan", "ShardedOptimizerState", "check_partition"]

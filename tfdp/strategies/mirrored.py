@@ -49,8 +49,9 @@ class MirroredStrategy(HorovodStrategy):
             shard with your optimizer, the updated weights are all-gathered (the bytes of one
             all-reduce). Same weights as without it; checkpoints hold the whole state (loadable
             by plain Keras, or by any number of workers). `memory_stats(optimizer)` reports
-            the bytes. Not with ``bucket_bytes``, ``skip_nonfinite``, LossScaleOptimizer
-            (mixed_float16) or gradient accumulation. See `tfdp.reducers.sharded`.
+            the bytes. Under mixed_float16 the LossScaleOptimizer's inner optimizer is sharded
+            and every worker skips the same overflowing steps. Not with ``bucket_bytes``,
+            ``skip_nonfinite`` or gradient accumulation. See `tfdp.reducers.sharded`.
 
     Example:
         >>> import keras, tfdp
