@@ -28,9 +28,9 @@ def test_allreduce_keeps_none_and_sums_dense_and_gathers_slices():
         assert isinstance(slices, tf.IndexedSlices)  # never densified
         np.testing.assert_allclose(slices.values.numpy().ravel(), [0.5, 1.0])
         assert slices.indices.numpy().tolist() == [0, 2]
-        assert stats["steps"] == 1 and stats["rounds"] == 1
+        assert stats["steps"] == 1 and stats["rounds"] == 2  # + the exchange of row counts
         assert stats["dense_bytes"] == 4 * (3 + 5)  # the slices' dense size, not their rows
-        assert stats["gradient_bytes"] == 4 * 3 + (4 + 8)  # dense floats + one row and its int64 index
+        assert stats["gradient_bytes"] == 4 * 3 + (4 + 4)  # dense floats + one row and its index (float32 column)
 
 
 def test_compressed_reducer_sums_the_same_payloads_on_every_rank_and_keeps_its_residual():

@@ -15,8 +15,9 @@ tfdp's Keras hooks call exactly these, on every reducer, never probing for other
 - ``stats()``, statistics beyond the communicator's counters.
 
 The base class does the chores every reducer shares: None gradients stay None,
-`IndexedSlices` either travel as slices (``sparse = True``: all-gather of rows and
-indices) or are made dense, every step is counted, and gradients are weighted by rows.
+`IndexedSlices` either travel as slices (``sparse = True``: the rows a step touched, or
+dense when the cost model says so, see `tfdp.reducers.sparse`) or are made dense, every
+step is counted, and gradients are weighted by rows.
 Subclasses implement `_reduce` for the dense gradients that are present.
 
 Rows: Keras divides each replica's mean loss by the number of replicas P, which equals the
@@ -37,6 +38,7 @@ import tensorflow as tf
 
 from tfdp._compat.keras import built_variables
 from tfdp.reducers.optimizer_view import view as optimizer_view
+from tfdp.reducers.sparse import exchange_slices
 from tfdp.reducers.state import ReducerState, ReducerStateSaveable
 
 _OPS = ("sum", "average")
@@ -170,15 +172,11 @@ class GradientReducer(abc.ABC):
         return False
 
     def _reduce_slices(self, slices):
-        """All-gather rows and indices of IndexedSlices gradients; the optimizer adds duplicates."""
+        """Sum IndexedSlices gradients as the rows they touch, or dense when that is cheaper
+        (`tfdp.reducers.sparse`)."""
         if not slices:
             return []
-        gathered = self.communicator.allgather_many(
-            [s.values for s in slices] + [tf.cast(s.indices, tf.int64) for s in slices], gradients=True)
-        values, indices = gathered[: len(slices)], gathered[len(slices):]
-        scale = self.communicator.size if self.op == "average" else 1
-        return [tf.IndexedSlices(v / scale if scale > 1 else v, i, s.dense_shape)
-                for v, i, s in zip(values, indices, slices)]
+        return exchange_slices(self.communicator, slices, self.op)
 
     def after_update(self, variables):
         """Called after every optimizer update with the updated variables."""

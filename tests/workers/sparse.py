@@ -1,0 +1,65 @@
+"""An embedding model trained with `fit`, under tfdp (2 workers) or as one plain process.
+
+    --plain        one process, no tfdp (the dense reference: batch 64 on one worker)
+
+Two tables in the same process, 10 global batches of 64 rows, 8 lookups per row:
+``large`` has 100,000 rows (a batch touches at most 512 of them, 0.5%), ``small`` 16 rows
+(every worker touches every row in every batch: the dense path must win). Rank r writes
+rank<r>.json: per table the final weights and the communication statistics.
+"""
+
+import argparse
+
+import _common
+import keras
+import numpy as np
+
+BATCH, STEPS, LOOKUPS, WIDTH = 64, 10, 8, 16
+
+
+def data(rows):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, rows, size=(BATCH * STEPS, LOOKUPS)).astype("int32")
+    if rows <= LOOKUPS * BATCH // 2:  # every half batch (one worker's rows) looks up every row
+        x = (np.arange(BATCH * STEPS * LOOKUPS).reshape(BATCH * STEPS, LOOKUPS) % rows).astype("int32")
+    y = rng.normal(size=(BATCH * STEPS, 1)).astype("float32")
+    return x, y
+
+
+def train(rows, strategy):
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if strategy else _nothing():
+        model = keras.Sequential([keras.Input((LOOKUPS,), dtype="int32"), keras.layers.Embedding(rows, WIDTH),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    x, y = data(rows)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    stats = {} if strategy is None else {k: v for k, v in strategy.communication_stats().items()
+                                         if isinstance(v, (int, float))}
+    return {"weights": _common.weights_as_lists(model), "stats": stats}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--plain", action="store_true")
+    args = parser.parse_args()
+    if args.plain:
+        make = lambda: None  # noqa: E731
+    else:
+        import tfdp
+
+        make = tfdp.MirroredStrategy
+    _common.write_result(args.out, {name: train(rows, make()) for name, rows in (("large", 100_000), ("small", 16))})
+
+
+if __name__ == "__main__":
+    main()
