@@ -1,7 +1,10 @@
 """The ``tfdp`` command line: a thin argparse layer over presets and horovodrun.
 
     tfdp presets                                   list strategy presets
-    tfdp run -np 2 [--strategy P] script.py ...    horovodrun with preset P
+    tfdp run -np 2 [--strategy P] [--timeline FILE] script.py ...
+                                                   horovodrun with preset P (FILE: Horovod's timeline)
+    tfdp timeline FILE [--png OUT] [--last-ms 200] [--end-ms T]
+                                                   totals per collective phase; a chart of a window
     tfdp advise --params 5e6 --bandwidth-mbit 100 --compute-ms 40 [-np 2] [--check]
                                                    predicted time per step of each preset
                                                    (--check: measure it on emulated hosts)
@@ -109,6 +112,20 @@ def _bench(args):
     return 0
 
 
+def _timeline(args):
+    from tfdp.tools import timeline
+
+    if not Path(args.file).is_file():
+        raise ValueError(f"{args.file}: no such timeline file (write one with `tfdp run --timeline FILE ...`).")
+    spans = timeline.load(args.file)
+    print(timeline.format_summary(spans))
+    if args.png:
+        timeline.draw(spans, args.png, last_ms=args.last_ms, end_ms=args.end_ms,
+                      title=f"Horovod timeline: {Path(args.file).name}")
+        print(f"wrote {args.png}")
+    return 0
+
+
 def _run(args, passthrough):
     import socket
 
@@ -121,6 +138,11 @@ def _run(args, passthrough):
     if args.strategy:
         presets.resolve_variant(args.strategy)  # Fail here, once, not on every worker.
         os.environ[presets.ENV_VAR] = args.strategy
+    if args.timeline:
+        folder = Path(args.timeline).resolve().parent
+        if not folder.is_dir():
+            raise ValueError(f"--timeline {args.timeline}: the folder {folder} does not exist; create it first.")
+        os.environ["HOROVOD_TIMELINE"] = str(Path(args.timeline).resolve())  # written by rank 0's Horovod
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     scripts = [i for i, arg in enumerate(passthrough) if arg.endswith(".py")]
     if scripts:  # Run the script with this Python, the one tfdp is installed in.
@@ -141,6 +163,15 @@ def build_parser():
     run.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
     run.add_argument("-H", "--hosts", help="horovodrun host list (default localhost:NP)")
     run.add_argument("--strategy", help="preset name, sets $TFDP_STRATEGY for the workers")
+    run.add_argument("--timeline", help="write Horovod's timeline (Chrome trace JSON) to this file; "
+                     "read it with `tfdp timeline FILE`")
+    timeline = commands.add_parser("timeline", help="summarise a Horovod timeline and draw its last milliseconds")
+    timeline.add_argument("file", help="a file written by `tfdp run --timeline FILE`")
+    timeline.add_argument("--png", help="draw the last --last-ms milliseconds here")
+    timeline.add_argument("--last-ms", type=float, default=200.0, help="window of the chart (default 200)")
+    timeline.add_argument("--end-ms", type=float, help="the window ends here, in ms since the timeline began "
+                          "(default: the end of the run)")
+    timeline.set_defaults(handler=_timeline)
     advise = commands.add_parser("advise", help="predict time per step of each preset (ring cost model)")
     advise.add_argument("--params", type=float, help="parameter count of the model")
     advise.add_argument("--model", help="a saved Keras model file (its trainable shapes are used)")
