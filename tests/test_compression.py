@@ -12,7 +12,7 @@ from tfdp import compression
 import tfdp
 from tfdp.comm.fake import fake_group
 from tfdp.compression import QSGD, Cast, EFSign, ErrorFeedback, PowerSGD, RandomK, TopK
-from tfdp.compression.codecs import pack_signs, unpack_signs
+from tfdp.compression.codecs import largest_magnitudes, pack_signs, sample_positions, unpack_signs
 from tfdp.reducers import CompressedGradients, ReducerState
 
 
@@ -55,6 +55,33 @@ def test_topk_keeps_exactly_the_k_largest():
     values, indices = payload
     assert values.dtype == tf.float32 and indices.dtype == tf.int32
     assert (values.numpy().nbytes + indices.numpy().nbytes) * 45 <= flat.nbytes * 1.0
+
+
+@pytest.mark.parametrize("n, ratio", [(200_000, 0.01), (70_000, 0.001), (300_000, 0.05)])
+def test_sampled_threshold_top_k_finds_exactly_the_k_largest(n, ratio):
+    rng = np.random.default_rng(n)
+    flat = rng.standard_t(3, size=n).astype("float32")  # heavy tails, as gradients have
+    k = int(np.ceil(n * ratio))
+    expected = np.sort(np.argpartition(-np.abs(flat), k)[:k])
+    for step in range(5):  # another sample every step
+        found = np.sort(largest_magnitudes(tf.constant(flat), k, step).numpy())
+        np.testing.assert_array_equal(found, expected)
+    # Also inside a traced function, with k a tensor (as during the warm-up).
+    traced = tf.function(lambda x, k: largest_magnitudes(x, k, tf.constant(3)))
+    np.testing.assert_array_equal(np.sort(traced(tf.constant(flat), tf.constant(k)).numpy()), expected)
+
+
+def test_sampled_threshold_top_k_falls_back_when_the_sample_overestimates():
+    # The entries the sample will look at are the largest: its threshold lets through only
+    # about 1.5 k x 4,096 / 100,000 of them, fewer than k, and top_k runs over all entries.
+    n, k = 100_000, 2000
+    flat = np.random.default_rng(0).uniform(0, 1, n).astype(np.float32)
+    sampled = np.unique(sample_positions(n, 4096, 0).numpy())
+    flat[sampled] += 10.0
+    threshold_count = np.count_nonzero(flat >= np.sort(flat[sampled])[-int(np.ceil(1.5 * 4096 * k / n))])
+    assert threshold_count < k  # the candidates would be too few: the fallback must run
+    expected = np.sort(np.argpartition(-flat, k)[:k])
+    np.testing.assert_array_equal(np.sort(largest_magnitudes(tf.constant(flat), k, 0).numpy()), expected)
 
 
 def test_topk_sums_gathered_workers():
