@@ -100,3 +100,32 @@ def test_worker_speeds_make_equal_shares_wait_for_the_slowest_and_balanced_share
     assert balanced.seconds_per_step == pytest.approx(fast.seconds_per_step - 0.060 + 0.080)  # 60 x 2 / 1.5
     with pytest.raises(ValueError, match="one relative speed per worker"):
         advisor.predict("sync", shapes, 2, 1e12, 0.060, speeds=[1.0])
+
+
+def test_measured_compression_compute_is_added_to_compressed_presets_only():
+    shapes = [(1000, 100)]
+    plain = advisor.predict("topk-1pct", shapes, 2, 12.5e6, 0.040)
+    timed = advisor.predict("topk-1pct", shapes, 2, 12.5e6, 0.040, compressor_seconds=0.015)
+    assert timed.seconds_per_step == pytest.approx(plain.seconds_per_step + 0.015)
+    sync = advisor.predict("sync", shapes, 2, 12.5e6, 0.040, compressor_seconds=0.015)
+    assert sync.seconds_per_step == pytest.approx(advisor.predict("sync", shapes, 2, 12.5e6, 0.040).seconds_per_step)
+
+
+def test_compressor_timing_measures_real_compute_and_is_zero_for_presets_that_do_not_compress():
+    from tfdp.tools.codec_timing import compressor_seconds
+
+    shapes = [(512, 1024), (1024,)]
+    assert compressor_seconds("sync", shapes) == 0.0 and compressor_seconds("async-s1", shapes) == 0.0
+    assert 0 < compressor_seconds("fp16", shapes, repeats=3) < 5.0
+
+
+def test_nothing_beats_sync_when_compression_compute_exceeds_the_wire_time_it_saves():
+    # 10 Gbit/s, 25 M parameters, 8 workers: sync spends 140 ms a step on the wire, PowerSGD
+    # 1 ms. With 150 ms of compression compute (as measured on a slow CPU) none is worth it.
+    shapes = advisor.shapes_from_parameter_count(25_000_000)
+    names = ["sync", "fp16", "topk-1pct", "powersgd-r4"]
+    measured = {name: 0.150 for name in names if name != "sync"}
+    rows = advisor.advise(shapes, 8, 10e9 / 8, 0.200, names=names, compressor_seconds=measured)
+    assert advisor.recommendation(rows) == "sync"
+    without = advisor.advise(shapes, 8, 10e9 / 8, 0.200, names=names)
+    assert advisor.recommendation(without) != "sync"  # the control: free compression looks faster

@@ -12,9 +12,11 @@ Cost model (steady state, P workers, link bandwidth B bytes/s, latency a per col
   speed, C x P / sum(v).
 
 Payload sizes come from the codecs themselves (`payload_bytes`), with the same rule as
-`CompressedStrategy` for small tensors (sent dense below `min_compress_bytes`). The
-compressors' compute cost is not modelled: on a fast link that is what dominates (see
-``benchmarks/compression.py``).
+`CompressedStrategy` for small tensors (sent dense below `min_compress_bytes`). A compressed
+preset also computes: compressing, decompressing, keeping its residual. Given
+``compressor_seconds`` (measured on the model's own shapes by `tfdp.tools.codec_timing`,
+``tfdp advise --measure-compressors``), a compressed step is C + K + M; without it K is
+left out and the prediction is a lower bound for compressed presets.
 
 Example:
     >>> shapes = [(784, 4096), (4096,), (4096, 1024), (1024,)]
@@ -88,13 +90,17 @@ def compute_time(compute_seconds, speeds, balanced):
     return compute_seconds / min(speeds)
 
 
-def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, speeds=None):
-    """Predicted `Prediction` for the preset named `preset`; `speeds`: each worker's relative speed."""
+def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, speeds=None,
+            compressor_seconds=0.0):
+    """Predicted `Prediction` for the preset named `preset`; `speeds`: each worker's relative speed;
+    `compressor_seconds`: the preset's measured compression compute per step (see the module docstring)."""
     spec = presets.load_variant(preset)
     options, kind = spec["options"], spec["strategy"]
     if speeds is not None and len(speeds) != workers:
         raise ValueError(f"`speeds` needs one relative speed per worker ({workers}). Received: {speeds!r}")
     compute_seconds = compute_time(compute_seconds, speeds, options.get("balance") is not None)
+    if workers > 1 and kind == "compressed":
+        compute_seconds += compressor_seconds
     payloads, collectives = exchange(options, kind, shapes)
     sent = sum(ring_bytes(b, workers, how) for b, how in payloads)
     payload = sum(b for b, _ in payloads)
@@ -108,11 +114,27 @@ def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_s
     return Prediction(preset, compute_seconds + comm, comm, sent, payload)
 
 
-def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, names=None, speeds=None):
-    """Predictions for every preset (or `names`), fastest first."""
-    rows = [predict(name, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds, speeds)
+def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, names=None, speeds=None,
+           compressor_seconds=None):
+    """Predictions for every preset (or `names`), fastest first; `compressor_seconds`: a dict
+    preset -> measured compression compute per step (missing presets: 0)."""
+    measured = compressor_seconds or {}
+    rows = [predict(name, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds, speeds,
+                    measured.get(name, 0.0))
             for name in (names or presets.preset_names())]
     return sorted(rows, key=lambda r: r.seconds_per_step)
+
+
+#: A preset must be predicted this much faster than sync to be recommended over it.
+BEATS_SYNC_BY = 0.05
+
+
+def recommendation(rows):
+    """The preset to use: the fastest one, unless it is not `BEATS_SYNC_BY` faster than sync."""
+    sync = next((r for r in rows if r.preset == "sync"), None)
+    if sync is not None and rows[0].seconds_per_step > (1 - BEATS_SYNC_BY) * sync.seconds_per_step:
+        return "sync"
+    return rows[0].preset
 
 
 def shapes_from_parameter_count(count):

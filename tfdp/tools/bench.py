@@ -6,7 +6,8 @@ baseline for scaling efficiency and the advisor's input. For each preset the rep
 median time per step and its spread, samples/s, speed-up over sync, scaling efficiency
 (samples/s over `workers` x the single worker's), tfdp's payload bytes per step, the bytes
 that crossed the link per step (emulated hosts) and, given a link rate, the advisor's
-prediction and the measured/predicted ratio. Writes ``bench.json``, ``bench.md`` and
+prediction (with the compressed presets' compression compute, timed by the single worker on the
+model's shapes: `tfdp.tools.codec_timing`) and the measured/predicted ratio. Writes ``bench.json``, ``bench.md`` and
 ``bench.png`` to `out_dir`, and ``bench-shares.png`` (each worker's share over the steps) when a
 preset balances shares.
 
@@ -30,12 +31,13 @@ SINGLE_WORKER = "1 worker (compute only)"
 
 
 def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads, timeout, log,
-         digits_options=(), slowdown=None, optimizer="sgd"):
+         digits_options=(), slowdown=None, optimizer="sgd", extra=()):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "tfdp.tools.bench_worker", "--preset", preset, "--workload", workload,
                    "--params", str(params), "--batch-size", str(batch_size), "--steps", str(steps),
-                   "--warmup-steps", str(warmup_steps), "--optimizer", optimizer, "--out", str(out), *digits_options]
+                   "--warmup-steps", str(warmup_steps), "--optimizer", optimizer, "--out", str(out), *digits_options,
+                   *extra]
         env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_NUM_INTEROP_THREADS=str(threads),
                    TF_CPP_MIN_LOG_LEVEL="2")
         env.pop(SLOWDOWN_ENV, None)
@@ -89,8 +91,13 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             bar.set_postfix_str(f"{label} on {n}")
             digits_options = (["--target-accuracy", str(target_accuracy), "--epochs", str(epochs)]
                               if workload == "digits" else [])
+            # The single worker also times the compressed presets' compression on the model's shapes,
+            # with the workers' threads: the advisor's prediction adds it.
+            timing = (["--time-compressors", *[p for p in preset_names
+                                                if presets.load_variant(p)["strategy"] == "compressed"]]
+                      if label == SINGLE_WORKER and rate_mbit is not None else [])
             raw[label] = _job(preset, n, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads,
-                              timeout, log, digits_options, slowdown, optimizer)
+                              timeout, log, digits_options, slowdown, optimizer, timing)
     single = raw.pop(SINGLE_WORKER)
     compute = single["median_seconds"]
     shapes = [tuple(s) for s in single["shapes"]]
@@ -115,7 +122,8 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             if key in r:
                 row[key] = r[key]
         if rate_mbit is not None:
-            predicted = advisor.predict(name, shapes, workers, rate_mbit * 1e6 / 8, compute)
+            predicted = advisor.predict(name, shapes, workers, rate_mbit * 1e6 / 8, compute,
+                                        compressor_seconds=single.get("compressor_seconds", {}).get(name, 0.0))
             row["predicted_ms"] = 1000 * predicted.seconds_per_step
             row["measured_over_predicted"] = row["median_ms"] / row["predicted_ms"]
         if r["link_bytes_per_step"] is not None and r["payload_bytes_per_step"]:

@@ -152,10 +152,17 @@ def main(argv=None):
     parser.add_argument("--target-accuracy", type=float, default=0.95)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    parser.add_argument("--time-compressors", nargs="*", default=[],
+                        help="after training, time these compressed presets' compression on the model's shapes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args.preset, args.workload, int(args.params), args.batch_size, args.steps, args.warmup_steps,
                  args.target_accuracy, args.epochs, args.optimizer)
+    if args.time_compressors:
+        from tfdp.tools.codec_timing import compressor_seconds
+
+        result["compressor_seconds"] = {name: compressor_seconds(name, [tuple(s) for s in result["shapes"]])
+                                        for name in args.time_compressors}
     if int(os.environ.get("HOROVOD_RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

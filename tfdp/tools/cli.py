@@ -40,8 +40,16 @@ def _advise(args):
     shapes = (advisor.shapes_from_parameter_count(int(args.params)) if args.params is not None
               else advisor.shapes_from_model_file(args.model))
     speeds = _speeds(args.speeds, args.np)
+    measured = None
+    if args.measure_compressors:
+        from tfdp.tools.codec_timing import compressor_seconds
+
+        measured = {name: compressor_seconds(name, shapes) for name in presets.preset_names()
+                    if presets.load_variant(name)["strategy"] == "compressed"}
+        print("compression compute measured on these shapes here (ms/step): "
+              + ", ".join(f"{name} {1000 * s:.1f}" for name, s in measured.items()))
     rows = advisor.advise(shapes, args.np, args.bandwidth_mbit * 1e6 / 8, args.compute_ms / 1000,
-                          args.latency_ms / 1000, speeds=speeds)
+                          args.latency_ms / 1000, speeds=speeds, compressor_seconds=measured)
     params = sum(advisor._numel(s) for s in shapes)
     print(f"{params:,} parameters, {args.np} workers, {args.bandwidth_mbit:g} Mbit/s, "
           f"compute {args.compute_ms:g} ms/step, latency {args.latency_ms:g} ms per collective"
@@ -50,9 +58,16 @@ def _advise(args):
     for row in rows:
         print(f"{row.preset:<16} {1000 * row.seconds_per_step:>9.1f} {1000 * row.communication_seconds:>9.1f} "
               f"{row.bytes_sent / 1e6:>9.3f}")
-    print(f"recommended: {rows[0].preset}")
+    if not args.measure_compressors:
+        print("(compressed presets without their compression compute: add --measure-compressors)")
+    choice = advisor.recommendation(rows)
+    if choice == "sync" and rows[0].preset != "sync":
+        print(f"recommended: sync (nothing is predicted {100 * advisor.BEATS_SYNC_BY:g}% faster; "
+              f"the fastest, {rows[0].preset}, changes the algorithm for less)")
+    else:
+        print(f"recommended: {choice}")
     if args.check:
-        _check_advice(args, rows[0].preset)
+        _check_advice(args, choice)
     return 0
 
 
@@ -181,6 +196,9 @@ def build_parser():
     advise.add_argument("-np", type=int, default=2, help="number of workers")
     advise.add_argument("--speeds", help="each worker's relative compute speed, e.g. 1,0.5 (default: all 1); "
                         "--compute-ms is the time of a speed-1 worker")
+    advise.add_argument("--measure-compressors", action="store_true",
+                        help="time each compressed preset's compression on the model's shapes on this machine "
+                             "and add it to the prediction")
     advise.add_argument("--check", action="store_true",
                         help="measure the recommended preset and sync on emulated hosts (root; --params only)")
     advise.add_argument("--check-steps", type=int, default=6, help="timed steps per preset for --check")

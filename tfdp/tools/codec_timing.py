@@ -1,0 +1,63 @@
+"""Time a compressed preset's compute on given gradient shapes, on this machine.
+
+A compressed step adds compute a dense step does not have: compressing every gradient,
+decompressing what arrives, keeping the error-feedback residual. `compressor_seconds` runs a
+preset's own reducer (`CompressedGradients`, as `CompressedStrategy` builds it, after its
+warm-up) over random gradients of the given shapes on a one-worker communicator, so nothing
+travels and what is timed is that compute. The advisor adds it to its prediction.
+
+Example:
+    >>> compressor_seconds("topk-1pct", [(1024, 1024), (1024,)])  # seconds per step
+"""
+
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp import presets
+from tfdp.comm.fake import fake_group
+from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
+from tfdp.reducers.compressed import compressed_reducer_factory
+
+
+def preset_reducer(preset, communicator):
+    """The gradient reducer `preset` trains with (compressed presets only), warm-up left out."""
+    spec = presets.load_variant(preset)
+    if spec["strategy"] != "compressed":
+        raise ValueError(f"{preset!r} is not a compressed preset (its strategy is {spec['strategy']!r}).")
+    options = spec["options"]
+    make = compressed_reducer_factory(
+        options.get("compressor", "fp16"), options.get("error_feedback", True), 0,
+        options.get("min_compress_bytes", DEFAULT_MIN_COMPRESS_BYTES), "sum",
+        momentum_correction=options.get("momentum_correction", "auto"))
+    return make(communicator)
+
+
+def compressor_seconds(preset, shapes, repeats=5, seed=0):
+    """Median seconds one step of `preset`'s compression takes on gradients of `shapes`
+    (0.0 for presets that do not compress). Runs on this process's TensorFlow threads."""
+    if presets.load_variant(preset)["strategy"] != "compressed":
+        return 0.0
+    communicator = fake_group(1)[0]
+    reducer = preset_reducer(preset, communicator)
+    rng = np.random.default_rng(seed)
+    variables = [tf.Variable(tf.zeros(shape), name=f"timed{i}") for i, shape in enumerate(shapes)]
+    # Heavy-tailed, like gradients (top-k's threshold depends on the distribution).
+    grads = [tf.constant(rng.standard_t(3, size=shape).astype("float32") * 1e-3) for shape in shapes]
+
+    @tf.function
+    def step():
+        return [tf.reduce_sum(g) for g in reducer.reduce(grads, variables) if g is not None]
+
+    step()  # trace
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+__all__ = ["compressor_seconds", "preset_reducer"]
