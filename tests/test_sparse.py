@@ -6,6 +6,7 @@ either way, and the byte counters count what travelled. The 2-worker Keras run w
 100,000-row embedding is in ``tests/test_sparse_training.py``.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -60,3 +61,29 @@ def test_the_sum_is_the_dense_sum_on_either_path_and_the_bytes_are_what_travelle
             assert len(np.unique(summed.indices.numpy())) == len(summed.indices.numpy()) <= 40
         else:  # every row touched: the dense tensor was all-reduced (the negative control)
             assert stats["gradient_bytes"] == ROWS * WIDTH * 4
+
+
+@pytest.mark.parametrize("optimizer", [keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.1, clipnorm=1.0)],
+                         ids=["adam", "sgd-clipnorm"])
+def test_an_update_that_sees_duplicate_rows_gets_every_workers_rows_unsummed_in_rank_order(optimizer):
+    # Keras's Adam squares each duplicate row, clip_by_norm measures them: one process's numbers
+    # need the rows as they were looked up, so nothing is summed and nothing is densified.
+    def body(comm):
+        table = tf.Variable(tf.zeros([ROWS, WIDTH]), name="embedding")
+        [summed] = AllReduceGradients(comm, op="sum").reduce([lookups(comm.rank, 20)], [table], optimizer)
+        return summed, comm.stats.as_dict()
+
+    every = [lookups(rank, 20) for rank in range(2)]
+    for summed, stats in run_ranks(2, body):
+        np.testing.assert_array_equal(summed.indices.numpy(), np.concatenate([s.indices.numpy() for s in every]))
+        np.testing.assert_allclose(summed.values.numpy(), np.concatenate([s.values.numpy() for s in every]))
+        assert stats["gradient_bytes"] == 40 * (WIDTH + 1) * 4  # each worker's 40 lookups, duplicates included
+
+
+def test_sgd_without_clipping_is_the_only_update_that_lets_duplicates_be_summed():
+    from tfdp.reducers.optimizer_view import view
+    assert view(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)).linear_in_slices
+    assert view(None).linear_in_slices
+    for optimizer in (keras.optimizers.Adam(), keras.optimizers.RMSprop(), keras.optimizers.SGD(0.1, clipvalue=1.0),
+                      keras.optimizers.SGD(0.1, global_clipnorm=1.0)):
+        assert not view(optimizer).linear_in_slices, optimizer

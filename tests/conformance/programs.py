@@ -292,15 +292,22 @@ def ragged_inputs(make_strategy):
 
 
 @program()
-def embedding_sparse_gradients(make_strategy):
+def embedding_sparse_gradients(make_strategy, optimizer=lambda: keras.optimizers.Adam(0.01)):
+    # Adam sees every duplicate row (Keras squares each): the rows travel unsummed.
     rng = np.random.default_rng(3)
     x = rng.integers(0, 500, size=(128, 3)).astype("int32")
     y = (x.sum(axis=1, keepdims=True) / 1500.0).astype("float32")
     model = build(make_strategy, lambda: keras.Sequential([
         keras.Input((3,), dtype="int32"), keras.layers.Embedding(500, 4), keras.layers.Flatten(),
-        keras.layers.Dense(1)]), lambda: {"optimizer": keras.optimizers.Adam(0.01)})
+        keras.layers.Dense(1)]), lambda: {"optimizer": optimizer()})
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
     return result(model, history)
+
+
+@program()
+def embedding_sparse_gradients_momentum_sgd(make_strategy):
+    # SGD is linear in the gradient: duplicate rows are summed before they travel.
+    return embedding_sparse_gradients(make_strategy, lambda: keras.optimizers.SGD(0.5, momentum=0.9))
 
 
 # -- models ----------------------------------------------------------------------------

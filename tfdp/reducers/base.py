@@ -139,7 +139,7 @@ class GradientReducer(abc.ABC):
             dense_vars.append(ROW_COUNT)
         result = list(grads)
         reduced = self._reduce(dense_grads, dense_vars, opt) if dense_grads else []
-        gathered = self._reduce_slices([weight(grads[i]) for i in slices])
+        gathered = self._reduce_slices([weight(grads[i]) for i in slices], opt)
         if rows is not None:
             *reduced, total = reduced
             gathered = [self.unweight(g, total) for g in gathered]
@@ -171,12 +171,12 @@ class GradientReducer(abc.ABC):
         """True when this reducer clipped gradients itself and Keras must not clip them again."""
         return False
 
-    def _reduce_slices(self, slices):
+    def _reduce_slices(self, slices, opt):
         """Sum IndexedSlices gradients as the rows they touch, or dense when that is cheaper
-        (`tfdp.reducers.sparse`)."""
+        (`tfdp.reducers.sparse`); duplicate rows are kept where `opt` would see them."""
         if not slices:
             return []
-        return exchange_slices(self.communicator, slices, self.op)
+        return exchange_slices(self.communicator, slices, self.op, merge_duplicates=opt.linear_in_slices)
 
     def after_update(self, variables):
         """Called after every optimizer update with the updated variables."""

@@ -22,6 +22,17 @@ class OptimizerView:
     global_clipnorm: float | None
     learning_rate: object  # a callable returning the current learning rate (a tensor)
     adaptive: bool = False  # not Keras's SGD: an optimizer with per-entry step sizes (Adam, RMSprop, ...)
+    clipvalue: float | None = None
+
+    @property
+    def linear_in_slices(self):
+        """True when the update depends on an IndexedSlices gradient only through its dense sum.
+
+        Keras applies IndexedSlices row by row: Adam squares each duplicate row before adding,
+        `clip_by_norm` measures the rows with their duplicates. Only SGD without clipping is
+        unchanged when duplicate rows are summed first.
+        """
+        return not self.adaptive and not self.clips and not self.clipvalue
 
     @property
     def clips(self):
@@ -46,7 +57,7 @@ def view(optimizer):
         nesterov=bool(inner.nesterov) if is_sgd else False,
         clipnorm=inner.clipnorm, global_clipnorm=inner.global_clipnorm,
         learning_rate=lambda: tf.convert_to_tensor(inner.learning_rate),
-        adaptive=not isinstance(inner, keras.optimizers.SGD))
+        adaptive=not isinstance(inner, keras.optimizers.SGD), clipvalue=inner.clipvalue)
 
 
 def gradient_for_update(delta, m, opt):

@@ -18,6 +18,13 @@ per `IndexedSlices` gradient:
 
 Byte counters count what travels: the rows and indices, or the dense tensor.
 
+Summing duplicate rows is exact only for an optimizer whose update depends on the gradient
+through its dense sum (`OptimizerView.linear_in_slices`: SGD, with or without momentum, and
+no clipping). Keras 3 applies IndexedSlices row by row, so one process under Adam adds the
+square of every duplicate row to the second moment, and `clipnorm` measures the duplicates.
+To give the numbers of one process there (``merge_duplicates=False``), every worker's rows
+travel as they are, in rank order (the order of the global batch), and nothing is summed.
+
 Example:
     >>> slices = tf.IndexedSlices(tf.ones([3, 2]), tf.constant([4, 1, 4]), tf.constant([10, 2]))
     >>> deduplicate(slices).indices.numpy().tolist()
@@ -42,9 +49,13 @@ def sparse_is_cheaper(total_rows, row_elements, dense_elements):
     return rows < 2.0 * tf.cast(dense_elements, tf.float64)
 
 
-def exchange_slices(communicator, slices, op):
+def exchange_slices(communicator, slices, op, merge_duplicates=True):
     """Sum `slices` (a list of IndexedSlices) across workers; return IndexedSlices (``op`` is
-    ``"sum"`` or ``"average"``). Each takes the sparse or the dense path, as described above."""
+    ``"sum"`` or ``"average"``). Each takes the sparse or the dense path, as described above;
+    with ``merge_duplicates=False`` every worker's rows are gathered unsummed."""
+    if not merge_duplicates:
+        return [_gathered(communicator, s, op, merge_duplicates=False) for s in slices] \
+            if communicator.size > 1 else list(slices)
     slices = [deduplicate(s) for s in slices]
     if communicator.size == 1:
         return slices
@@ -65,7 +76,7 @@ def _row_elements(slices):
     return shape.num_elements()
 
 
-def _gathered(communicator, s, op):
+def _gathered(communicator, s, op, merge_duplicates=True):
     values = s.values
     table_rows = tf.get_static_value(s.dense_shape)
     if values.dtype == tf.float32 and table_rows is not None and table_rows[0] < 2 ** 31:
@@ -79,7 +90,8 @@ def _gathered(communicator, s, op):
         values, indices = communicator.allgather_many([values, s.indices], gradients=True)
     if op == "average":
         values = values / communicator.size
-    return _as_float_rows(deduplicate(tf.IndexedSlices(values, indices, s.dense_shape)))
+    gathered = tf.IndexedSlices(values, indices, s.dense_shape)
+    return _as_float_rows(deduplicate(gathered) if merge_duplicates else gathered)
 
 
 def _all_reduced(communicator, s, op):
