@@ -104,3 +104,12 @@ def load_without_tfdp(model_path, inputs=None):
                          text=True, timeout=120, env={**QUIET_ENV, "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def mlp_reference(tmp_path_factory):
+    """One plain process (`tests/workers/balance.py`): the MLP on digits, 2 epochs of 23 steps at
+    global batch 64. The trajectory that uneven shares and gradient buckets must follow."""
+    out = tmp_path_factory.mktemp("mlp-reference")
+    assert_ok(run_plain("balance.py", ["--out", out, "--model", "mlp", "--epochs", "2"], timeout=240))
+    return json.loads((out / "rank0.json").read_text())

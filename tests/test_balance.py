@@ -84,13 +84,6 @@ def max_relative(a, b):
     return max(float(np.max(np.abs(np.subtract(x, y))) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def mlp_reference(tmp_path_factory):
-    """One plain process: the MLP on digits, 2 epochs of 23 steps at global batch 64."""
-    [reference] = run_case(tmp_path_factory.mktemp("reference"), "mlp", 1, "--model", "mlp", "--epochs", "2")
-    return reference
-
-
 def assert_follows(reference, ranks, workers_weights=None):
     for rank, result in enumerate(ranks):
         assert result["steps"] == reference["steps"]

@@ -159,6 +159,7 @@ def test_sharded_adamw_with_global_clipnorm_matches_sync_on_two_workers(tmp_path
 
 
 @pytest.mark.multiprocess
+@pytest.mark.full
 def test_sharded_under_mixed_float16_loss_scaling_matches_sync_including_skipped_steps(tmp_path):
     # initial_scale 2**30 overflows float16 in the first steps: every worker must skip the same
     # steps (one finiteness decision for all) while the scale halves, as sync does.

@@ -14,12 +14,52 @@ access) → ``comm`` (collectives, counted) → ``compression`` (codecs) → ``r
 benchmarks, advisor).
 """
 
-from tfdp import compression
-from tfdp.keras import DistributedOptimizer, callbacks
-from tfdp.presets import preset_names, strategy
-from tfdp.runtime import init, is_chief, local_rank, rank, replica_device, size
-from tfdp.strategies import AsyncStrategy, CompressedStrategy, MirroredStrategy
-from tfdp.strategies.output import restore_stdout, set_worker_stdout, worker_stdout
+import importlib
+from typing import TYPE_CHECKING
+
+# Names resolve on first use (PEP 562), so `tfdp run`, `tfdp timeline` and the launcher start
+# without importing TensorFlow (about 5 s of CPU per process on these machines).
+_HOMES = {
+    "AsyncStrategy": "tfdp.strategies",
+    "CompressedStrategy": "tfdp.strategies",
+    "MirroredStrategy": "tfdp.strategies",
+    "DistributedOptimizer": "tfdp.keras",
+    "callbacks": "tfdp.keras",
+    "preset_names": "tfdp.presets",
+    "strategy": "tfdp.presets",
+    "init": "tfdp.runtime",
+    "is_chief": "tfdp.runtime",
+    "local_rank": "tfdp.runtime",
+    "rank": "tfdp.runtime",
+    "replica_device": "tfdp.runtime",
+    "size": "tfdp.runtime",
+    "restore_stdout": "tfdp.strategies.output",
+    "set_worker_stdout": "tfdp.strategies.output",
+    "worker_stdout": "tfdp.strategies.output",
+}
+
+if TYPE_CHECKING:
+    from tfdp import compression
+    from tfdp.keras import DistributedOptimizer, callbacks
+    from tfdp.presets import preset_names, strategy
+    from tfdp.runtime import init, is_chief, local_rank, rank, replica_device, size
+    from tfdp.strategies import AsyncStrategy, CompressedStrategy, MirroredStrategy
+    from tfdp.strategies.output import restore_stdout, set_worker_stdout, worker_stdout
+
+
+def __getattr__(name):
+    if name == "compression":
+        return importlib.import_module("tfdp.compression")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'tfdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

@@ -46,6 +46,7 @@ def main():
     parser.add_argument("--modes", nargs="+", choices=["plain", "tf-mirrored", "tfdp", "tfdp-balanced"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--programs", nargs="*", help="default: all, in definition order")
+    parser.add_argument("--mirrored-programs", nargs="*", help="tf-mirrored runs only these (default: all)")
     args = parser.parse_args()
     if "tf-mirrored" in args.modes:
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -56,7 +57,8 @@ def main():
     # Program by program, every mode: op_determinism, which cannot be undone, runs last.
     for name in args.programs or list(PROGRAMS):
         for mode in args.modes:
-            results[mode][name] = run_one(mode, name, factories[mode])
+            if mode != "tf-mirrored" or args.mirrored_programs is None or name in args.mirrored_programs:
+                results[mode][name] = run_one(mode, name, factories[mode])
     for mode in args.modes:
         (Path(args.out) / f"{mode}-rank{rank()}.json").write_text(json.dumps(results[mode]))
 

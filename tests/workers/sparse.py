@@ -1,11 +1,10 @@
-"""An embedding model trained with `fit`, under tfdp (2 workers) or as one plain process.
+"""An embedding model trained with `fit` under tfdp, then by plain Keras in the same process.
 
-    --plain        one process, no tfdp (the dense reference: batch 64 on one worker)
-
-Two tables in the same process, 10 global batches of 64 rows, 8 lookups per row:
-``large`` has 100,000 rows (a batch touches at most 512 of them, 0.5%), ``small`` 16 rows
-(every worker touches every row in every batch: the dense path must win). Rank r writes
-rank<r>.json: per table the final weights and the communication statistics.
+Two tables, 10 global batches of 64 rows, 8 lookups per row: ``large`` has 100,000 rows
+(a batch touches at most 512 of them, 0.5%), ``small`` 16 rows (every worker touches every
+row in every batch: the dense path must win). Rank r writes rank<r>.json: per table the
+final weights and the communication statistics under tfdp, and the weights of plain Keras
+on the same global batches (``reference``: batch 64 on one worker, no strategy).
 """
 
 import argparse
@@ -50,15 +49,14 @@ class _nothing:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--plain", action="store_true")
     args = parser.parse_args()
-    if args.plain:
-        make = lambda: None  # noqa: E731
-    else:
-        import tfdp
+    import tfdp
 
-        make = tfdp.MirroredStrategy
-    _common.write_result(args.out, {name: train(rows, make()) for name, rows in (("large", 100_000), ("small", 16))})
+    results = {}
+    for name, rows in (("large", 100_000), ("small", 16)):
+        results[name] = train(rows, tfdp.MirroredStrategy())
+        results[name]["reference"] = train(rows, None)["weights"]
+    _common.write_result(args.out, results)
 
 
 if __name__ == "__main__":

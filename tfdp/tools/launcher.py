@@ -25,9 +25,9 @@ Example:
     >>> result.returncode, result.failed_rank, result.link_bytes[0].sent
 """
 
+import importlib.util
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -52,13 +52,15 @@ class LaunchResult:
     output: str = ""
 
 
-def horovodrun_executable():
-    """The horovodrun installed beside this Python (the one tfdp and its Horovod live in)."""
-    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    found = beside if os.path.exists(beside) else shutil.which("horovodrun")
-    if found is None:
+def horovodrun_invocation():
+    """argv that starts horovodrun with this Python (the one tfdp and its Horovod live in).
+
+    horovodrun's own command line, with its Gloo/MPI build checks remembered between
+    launches (`tfdp._compat.horovodrun`: each check otherwise imports TensorFlow, ~4 s).
+    """
+    if importlib.util.find_spec("horovod") is None or importlib.util.find_spec("horovod.runner") is None:
         raise ValueError("horovodrun not found. Install Horovod with `bash tools/setup_env.sh`.")
-    return found
+    return [sys.executable, "-m", "tfdp._compat.horovodrun"]
 
 
 def horovodrun_command(command, workers, hosts=None, horovodrun_args=()):
@@ -67,7 +69,7 @@ def horovodrun_command(command, workers, hosts=None, horovodrun_args=()):
     `hosts` defaults to ``localhost:N``; pass ``hosts=False`` when `horovodrun_args` name the
     hosts another way (``--host-discovery-script``). Gloo unless the args choose ``--mpi``.
     """
-    argv = [horovodrun_executable(), "-np", str(workers)]
+    argv = [*horovodrun_invocation(), "-np", str(workers)]
     if hosts is not False:
         argv += ["-H", hosts or f"localhost:{workers}"]
     if not {"--gloo", "--mpi"} & set(horovodrun_args):
