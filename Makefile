@@ -1,7 +1,8 @@
 # All set-up happens in tools/setup_env.sh (idempotent: a second run takes seconds).
 PY := .venv/bin/python
 
-.PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts bench-balance bench-zero1
+.PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts bench-balance bench-zero1 \
+	bench-overlap bench-compressor-speed
 setup:
 	bash tools/setup_env.sh
 
@@ -61,3 +62,15 @@ bench-balance: setup
 		--steps 40 --warmup-steps 60 --out $(RESULTS)/hosts-balanced-noslow
 	.venv/bin/tfdp bench --presets sync balanced -np 4 --workload cnn --batch-size 64 --rate-mbit 1000 \
 		--steps 40 --warmup-steps 60 --slowdown 1:4 --out $(RESULTS)/hosts-balanced-4workers-slow1x2
+
+# Overlap (root): sync with and without gradient buckets on the CNN, on 2 emulated hosts at
+# 100 Mbit/s and at 400 Mbit/s; the advisor column is the no-overlap prediction C + M.
+bench-overlap: setup
+	.venv/bin/tfdp bench --presets sync sync:bucket_bytes=262144 --workload cnn --batch-size 64 --rate-mbit 100 \
+		--steps 12 --out $(RESULTS)/hosts-100mbit-cnn-buckets
+	.venv/bin/tfdp bench --presets sync sync:bucket_bytes=262144 --workload cnn --batch-size 64 --rate-mbit 400 \
+		--steps 20 --out $(RESULTS)/hosts-400mbit-cnn-buckets
+
+# Each compressed preset's compute per step on the 6 M-parameter MLP's gradients (one thread).
+bench-compressor-speed: setup
+	$(PY) benchmarks/compressor_speed.py
