@@ -15,7 +15,11 @@ every seed, 20 epochs, and reads the test accuracy after 12 epochs (the short bu
 Writes ``benchmarks/results/preset_grid.json`` (every run) and ``preset_grid.md``: per cell,
 budget and preset, the mean test accuracy minus sync in percentage points with its standard
 error over seeds (of the per-seed differences), the gradient bytes per step one worker sent,
-and the exchanges per step.
+and the exchanges per step. Also ``strategies/accuracy.json``, per preset the (cell, budget)
+pairs measured, how many are within 1 pp of sync and the worst one: what `tfdp advise`
+reports and what `tfdp.AutoStrategy` chooses its candidates from.
+
+    .venv/bin/python benchmarks/preset_grid.py --summary-only     # rewrite accuracy.json from the json
 """
 
 import argparse
@@ -75,6 +79,24 @@ def summarise(runs, report_epochs):
     return rows
 
 
+def accuracy_summary(rows):
+    """Per preset: (cell, budget) pairs measured, how many within `BAND_PP` of sync, the worst."""
+    summary = {}
+    for preset in dict.fromkeys(r["preset"] for r in rows if r["preset"] != "sync"):
+        mine = [r for r in rows if r["preset"] == preset]
+        worst = min(mine, key=lambda r: r["diff_pp"])
+        summary[preset] = {"cells": len(mine), "within_band": sum(r["diff_pp"] >= -BAND_PP for r in mine),
+                           "band_pp": BAND_PP, "worst_pp": round(worst["diff_pp"], 2),
+                           "worst": f"{worst['cell']}, {worst['epochs']} epochs"}
+    return summary
+
+
+def write_summary(rows):
+    path = HERE.parent / "strategies" / "accuracy.json"
+    path.write_text(json.dumps({"source": "benchmarks/results/preset_grid.md (2 workers, 3 seeds)",
+                                "presets": accuracy_summary(rows)}, indent=1) + "\n")
+
+
 def markdown(rows):
     lines = ["| cell | epochs | preset | accuracy | vs sync (pp) | ± s.e. | gradient kB/step | fewer bytes | "
              "exchanges/step |", "|---|---|---|---|---|---|---|---|---|"]
@@ -114,7 +136,11 @@ def main():
     parser.add_argument("--replace", action="store_true",
                         help="with --resume: in cells already run, run --presets again (not sync) "
                              "and replace their runs")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite strategies/accuracy.json and stop")
     args = parser.parse_args()
+    if args.summary_only:
+        write_summary(json.loads(Path(f"{args.out}.json").read_text())["rows"])
+        return
     runs = json.loads(Path(f"{args.out}.json").read_text())["runs"] if args.resume else []
     done = {r["cell"] for r in runs}
     for cell in [c for c in args.cells if c not in done or args.replace]:
@@ -127,6 +153,7 @@ def main():
         print(markdown([r for r in rows if r["cell"] == cell]), flush=True)
     rows = summarise(runs, args.report_epochs)
     Path(f"{args.out}.md").write_text(pivot(rows) + "\n" + markdown(rows))
+    write_summary(rows)
     failing = [r for r in rows if r["preset"] != "sync" and r["diff_pp"] < -BAND_PP]
     print(f"{len(failing)} (cell, budget, preset) more than {BAND_PP} pp below sync:")
     for r in failing:

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_public_api_is_pinned():
     assert sorted(tfdp.__all__) == [
-        "AsyncStrategy", "CompressedStrategy", "DistributedOptimizer", "MirroredStrategy", "callbacks", "compression",
+        "AsyncStrategy", "AutoStrategy", "CompressedStrategy", "DistributedOptimizer", "MirroredStrategy", "callbacks", "compression",
         "init", "is_chief", "local_rank", "preset_names", "rank", "replica_device", "restore_stdout",
         "set_worker_stdout", "size", "strategy", "worker_stdout",
     ]
@@ -115,7 +115,7 @@ def test_every_preset_builds_its_strategy(name):
     strategy = tfdp.strategy(name)
     kind = presets.load_preset(name)["strategy"]
     expected = {"mirrored": tfdp.MirroredStrategy, "compressed": tfdp.CompressedStrategy,
-                "async": tfdp.AsyncStrategy}[kind]
+                "async": tfdp.AsyncStrategy, "auto": tfdp.AutoStrategy}[kind]
     assert type(strategy) is expected
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 # without importing TensorFlow (about 5 s of CPU per process on these machines).
 _HOMES = {
     "AsyncStrategy": "tfdp.strategies",
+    "AutoStrategy": "tfdp.auto",
     "CompressedStrategy": "tfdp.strategies",
     "MirroredStrategy": "tfdp.strategies",
     "DistributedOptimizer": "tfdp.keras",
@@ -40,6 +41,7 @@ _HOMES = {
 
 if TYPE_CHECKING:
     from tfdp import compression
+    from tfdp.auto import AutoStrategy
     from tfdp.keras import DistributedOptimizer, callbacks
     from tfdp.presets import preset_names, strategy
     from tfdp.runtime import init, is_chief, local_rank, rank, replica_device, size
@@ -65,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncStrategy",
+    "AutoStrategy",
     "CompressedStrategy",
     "DistributedOptimizer",
     "MirroredStrategy",

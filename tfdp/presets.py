@@ -28,9 +28,11 @@ PRESET_KEYS = {"description": str, "strategy": str, "options": dict}
 
 
 def _strategy_classes():
+    from tfdp.auto import AutoStrategy
     from tfdp.strategies import AsyncStrategy, CompressedStrategy, MirroredStrategy
 
-    return {"mirrored": MirroredStrategy, "compressed": CompressedStrategy, "async": AsyncStrategy}
+    return {"mirrored": MirroredStrategy, "compressed": CompressedStrategy, "async": AsyncStrategy,
+            "auto": AutoStrategy}
 
 
 def _preset_files():
@@ -40,6 +42,24 @@ def _preset_files():
         for entry in root.iterdir()
         if entry.name.endswith(".yaml")
     }
+
+
+def accuracy(name):
+    """What the preset grid measured for preset `name` against sync, or None if it did not run it.
+
+    Returns:
+        dict with ``cells`` ((configuration, budget) pairs measured), ``within_band`` (how
+        many within ``band_pp`` of sync's test accuracy, mean of 3 seeds), ``worst_pp`` and
+        ``worst`` (that pair). Written by ``benchmarks/preset_grid.py``.
+
+    Example:
+        >>> tfdp.presets.accuracy("fp16")["within_band"]
+        24
+    """
+    import json
+
+    summary = importlib.resources.files("tfdp.preset_files") / "accuracy.json"
+    return json.loads(summary.read_text())["presets"].get(name) if summary.is_file() else None
 
 
 def preset_names():

@@ -55,8 +55,8 @@ class AllReduceGradients(GradientReducer):
 
     sparse = True
 
-    def __init__(self, communicator, op="sum", bucket_bytes=None):
-        super().__init__(communicator, op)
+    def __init__(self, communicator, op="sum", bucket_bytes=None, state=None):
+        super().__init__(communicator, op, state)
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
 
     def _reduce(self, grads, variables, opt):

@@ -85,6 +85,8 @@ class GradientReducer(abc.ABC):
         communicator: a `tfdp.comm.Communicator`.
         op: ``"sum"`` when each worker's loss is already divided by the number of
             workers (as Keras does under a strategy), ``"average"`` otherwise.
+        state: the `ReducerState` to keep variables in (default: a new one); a reducer that
+            takes over from another (`tfdp.reducers.SwitchingReducer`) shares its state.
     """
 
     #: IndexedSlices travel as slices (True) or are densified first (False).
@@ -102,12 +104,12 @@ class GradientReducer(abc.ABC):
     #: Builds the strategy's optimizers on shards of the model (`tfdp.reducers.sharded`).
     shards_optimizer_state = False
 
-    def __init__(self, communicator, op="sum"):
+    def __init__(self, communicator, op="sum", state=None):
         if op not in _OPS:
             raise ValueError(f"`op` must be one of {_OPS}. Received: op={op!r}")
         self.communicator = communicator
         self.op = op
-        self.state = ReducerState(communicator)
+        self.state = ReducerState(communicator) if state is None else state
 
     def saveable(self, optimizer):
         """The Keras object that carries `state` into `optimizer`'s checkpoints."""

@@ -59,6 +59,7 @@ class CompressedGradients(GradientReducer):
         op: ``"sum"`` (losses already divided by the number of workers, as under a
             strategy) or ``"average"``.
         momentum_correction: ``"auto"``, True, ``"update"`` or False (see above).
+        state: as in `GradientReducer`.
 
     Example:
         >>> reducer = CompressedGradients(communicator, TopK(0.01), error_feedback=True)
@@ -66,8 +67,8 @@ class CompressedGradients(GradientReducer):
     """
 
     def __init__(self, communicator, codec, error_feedback=True, warmup_steps=0,
-                 min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, op="sum", momentum_correction="auto"):
-        super().__init__(communicator, op)
+                 min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, op="sum", momentum_correction="auto", state=None):
+        super().__init__(communicator, op, state)
         if momentum_correction not in MOMENTUM_CORRECTION:
             raise ValueError(f"`momentum_correction` must be one of {MOMENTUM_CORRECTION}. "
                              f"Received: momentum_correction={momentum_correction!r}")
@@ -242,7 +243,7 @@ class CompressedGradients(GradientReducer):
 
 def compressed_reducer_factory(compressor, error_feedback, warmup_steps, min_compress_bytes, op,
                                momentum_correction="auto"):
-    """Validate the compression options; return ``communicator -> CompressedGradients``.
+    """Validate the compression options; return ``(communicator, state=None) -> CompressedGradients``.
 
     Shared by `CompressedStrategy` and `tfdp.DistributedOptimizer(compression=...)`.
     """
@@ -260,6 +261,6 @@ def compressed_reducer_factory(compressor, error_feedback, warmup_steps, min_com
     if momentum_correction not in MOMENTUM_CORRECTION:
         raise ValueError(f"`momentum_correction` must be one of {MOMENTUM_CORRECTION}. "
                          f"Received: momentum_correction={momentum_correction!r}")
-    return lambda communicator: CompressedGradients(
+    return lambda communicator, state=None: CompressedGradients(
         communicator, codec, error_feedback=error_feedback, warmup_steps=warmup_steps,
-        min_compress_bytes=min_compress_bytes, op=op, momentum_correction=momentum_correction)
+        min_compress_bytes=min_compress_bytes, op=op, momentum_correction=momentum_correction, state=state)

@@ -114,6 +114,11 @@ def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_s
     return Prediction(preset, compute_seconds + comm, comm, sent, payload)
 
 
+def fixed_presets():
+    """Every preset with a fixed exchange (not ``auto``, which picks one of them while it runs)."""
+    return [name for name in presets.preset_names() if presets.load_preset(name)["strategy"] != "auto"]
+
+
 def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, names=None, speeds=None,
            compressor_seconds=None):
     """Predictions for every preset (or `names`), fastest first; `compressor_seconds`: a dict
@@ -121,7 +126,7 @@ def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e
     measured = compressor_seconds or {}
     rows = [predict(name, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds, speeds,
                     measured.get(name, 0.0))
-            for name in (names or presets.preset_names())]
+            for name in (names or fixed_presets())]
     return sorted(rows, key=lambda r: r.seconds_per_step)
 
 
@@ -129,12 +134,23 @@ def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e
 BEATS_SYNC_BY = 0.05
 
 
-def recommendation(rows):
-    """The preset to use: the fastest one, unless it is not `BEATS_SYNC_BY` faster than sync."""
+def recommendation(rows, holds=None):
+    """The preset to use: the fastest one (of those `holds(name)` accepts, e.g. `holds_accuracy`),
+    unless it is not `BEATS_SYNC_BY` faster than sync."""
+    chosen = [r for r in rows if holds is None or r.preset == "sync" or holds(r.preset)] or rows
     sync = next((r for r in rows if r.preset == "sync"), None)
-    if sync is not None and rows[0].seconds_per_step > (1 - BEATS_SYNC_BY) * sync.seconds_per_step:
+    if sync is not None and chosen[0].seconds_per_step > (1 - BEATS_SYNC_BY) * sync.seconds_per_step:
         return "sync"
-    return rows[0].preset
+    return chosen[0].preset
+
+
+def holds_accuracy(preset):
+    """True for presets that train as sync does (MirroredStrategy: sync, balanced, zero1) and for
+    those the preset grid measured within its band of sync in every cell."""
+    if presets.load_variant(preset)["strategy"] == "mirrored":
+        return True
+    measured = presets.accuracy(presets.parse_variant(preset)[0])
+    return bool(measured) and measured["within_band"] == measured["cells"]
 
 
 def shapes_from_parameter_count(count):
@@ -151,3 +167,51 @@ def shapes_from_model_file(path):
 
     model = keras.models.load_model(path, compile=False)
     return [tuple(v.shape) for v in model.trainable_variables]
+
+
+def model_step_seconds(path, batch_size, steps=8):
+    """Median seconds of one training step of the saved model `path` on this machine: forward,
+    backward and an update by its optimizer (SGD if it was saved uncompiled) on `batch_size`
+    random rows of its input shape, one worker. The loss is the outputs' mean: labels do not
+    change what a step computes."""
+    import statistics
+    import time
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import warnings
+
+    with warnings.catch_warnings():  # an optimizer saved unbuilt: "Skipping variable loading"
+        warnings.simplefilter("ignore", UserWarning)
+        model = keras.models.load_model(path)
+    optimizer = model.optimizer if getattr(model, "optimizer", None) is not None else keras.optimizers.SGD(1e-3)
+    x = tf.constant(np.random.default_rng(0).normal(size=(batch_size, *model.input_shape[1:])).astype("float32"))
+
+    @tf.function(jit_compile=False)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.cast(model(x, training=True), tf.float32))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    seconds = []
+    for _ in range(steps + 2):  # the first two trace and build
+        start = time.perf_counter()
+        step().numpy()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[2:])
+
+
+def accuracy_note(preset):
+    """What the preset grid measured of `preset` against sync, in a few words."""
+    measured = presets.accuracy(preset)
+    if presets.load_variant(preset)["strategy"] == "mirrored":
+        return "the reference" if preset == "sync" else "exact: the sync trajectory"
+    if measured is None:
+        return "not on the preset grid"
+    held = f"within {measured['band_pp']:g} pp in {measured['within_band']}/{measured['cells']} grid cells"
+    if measured["within_band"] == measured["cells"]:
+        return held
+    return f"{held}; worst {measured['worst_pp']:+.1f} pp ({measured['worst']})"

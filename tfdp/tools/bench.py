@@ -93,8 +93,12 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
                               if workload == "digits" else [])
             # The single worker also times the compressed presets' compression on the model's shapes,
             # with the workers' threads: the advisor's prediction adds it.
-            timing = (["--time-compressors", *[p for p in preset_names
-                                                if presets.load_variant(p)["strategy"] == "compressed"]]
+            timed = [p for p in preset_names if presets.load_variant(p)["strategy"] == "compressed"]
+            if any(presets.load_variant(p)["strategy"] == "auto" for p in preset_names):
+                from tfdp.auto import default_candidates
+
+                timed += [c for c in default_candidates() if c != "sync" and c not in timed]
+            timing = (["--time-compressors", *timed]
                       if label == SINGLE_WORKER and rate_mbit is not None else [])
             raw[label] = _job(preset, n, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads,
                               timeout, log, digits_options, slowdown, optimizer, timing)
@@ -116,14 +120,16 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             "compute_ms": 1000 * compute,
             "optimizer_state_bytes": (r.get("memory") or {}).get("optimizer_state_bytes"),
             "peak_rss_bytes": 1024 * r["peak_rss_kb"] if r.get("peak_rss_kb") else None,
+            "picked": (r.get("auto") or {}).get("picked"),  # what auto ran after measuring
         }
         row.update(_balance_columns(r, workers, batch_size))
         for key in ("seconds_to_target", "epochs_to_target", "final_accuracy", "target_accuracy"):
             if key in r:
                 row[key] = r[key]
         if rate_mbit is not None:
-            predicted = advisor.predict(name, shapes, workers, rate_mbit * 1e6 / 8, compute,
-                                        compressor_seconds=single.get("compressor_seconds", {}).get(name, 0.0))
+            ran = row["picked"] or name
+            predicted = advisor.predict(ran, shapes, workers, rate_mbit * 1e6 / 8, compute,
+                                        compressor_seconds=single.get("compressor_seconds", {}).get(ran, 0.0))
             row["predicted_ms"] = 1000 * predicted.seconds_per_step
             row["measured_over_predicted"] = row["median_ms"] / row["predicted_ms"]
         if r["link_bytes_per_step"] is not None and r["payload_bytes_per_step"]:
@@ -184,8 +190,9 @@ def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None):
         link_mb = None if r["link_bytes_per_step"] is None else r["link_bytes_per_step"] / 1e6
         target = (f" {_fmt(r['seconds_to_target'], '.1f', 'not reached')} | {r['final_accuracy']:.4f} |"
                   if digits else "")
+        label = r["preset"] + (f" (ran {r['picked']})" if r.get("picked") else "")
         lines.append(
-            f"| {r['preset']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}–{r['max_ms']:.0f} "
+            f"| {label} | {r['median_ms']:.1f} | {r['min_ms']:.0f}–{r['max_ms']:.0f} "
             f"| {r['samples_per_second']:.0f} | {_fmt(r.get('speedup_vs_sync'), '.2f')}x "
             f"| {r['scaling_efficiency']:.2f} | {r['payload_bytes_per_step'] / 1e6:.3f} | {_fmt(link_mb, '.3f')} "
             f"| {_fmt(r.get('link_over_payload'), '.3f')} | {_fmt(r.get('predicted_ms'), '.1f')} "

@@ -108,8 +108,9 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
     """
     slowdown = apply_from_env()  # before any work: the whole process computes FACTOR times slower
     strategy = tfdp.strategy(preset)
-    # A preset's own dense warm-up steps are not its steady state.
-    warmup_steps += tfdp.presets.load_variant(preset)["options"].get("warmup_steps", 0)
+    # A preset's own dense warm-up steps (auto: its measured steps too) are not its steady state.
+    warmup_steps += (strategy.settling_steps() if isinstance(strategy, tfdp.AutoStrategy)
+                     else tfdp.presets.load_variant(preset)["options"].get("warmup_steps", 0))
     keras.utils.set_random_seed(0)
     probe = StepProbe(strategy)
     if workload == "digits":
@@ -137,6 +138,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
         "optimizer": optimizer if workload != "digits" else "adam",
         "memory": strategy.memory_stats(model.optimizer) if hasattr(strategy, "memory_stats") else None,
         "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "auto": strategy.auto_stats() if isinstance(strategy, tfdp.AutoStrategy) else None,
         **extra,
     }
 

@@ -32,6 +32,12 @@ def _advise(args):
 
     if (args.params is None) == (args.model is None):
         raise ValueError("Give the model as --params COUNT or as --model FILE.keras (one of them).")
+    if args.compute_ms is None:
+        if args.model is None:
+            raise ValueError("Give --compute-ms (a measured step of one worker), or --model FILE.keras to time "
+                             "the model's own step here.")
+        args.compute_ms = 1000 * advisor.model_step_seconds(args.model, args.batch_size)
+        print(f"one training step of {args.model} here, batch {args.batch_size}: {args.compute_ms:.1f} ms")
     for name in ("bandwidth_mbit", "compute_ms"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0. Received: {getattr(args, name)}")
@@ -41,7 +47,8 @@ def _advise(args):
               else advisor.shapes_from_model_file(args.model))
     speeds = _speeds(args.speeds, args.np)
     measured = None
-    if args.measure_compressors:
+    measure = args.measure_compressors or args.model is not None  # a real model: time its own tensors
+    if measure:
         from tfdp.tools.codec_timing import compressor_seconds
 
         measured = {name: compressor_seconds(name, shapes) for name in presets.preset_names()
@@ -52,18 +59,21 @@ def _advise(args):
                           args.latency_ms / 1000, speeds=speeds, compressor_seconds=measured)
     params = sum(advisor._numel(s) for s in shapes)
     print(f"{params:,} parameters, {args.np} workers, {args.bandwidth_mbit:g} Mbit/s, "
-          f"compute {args.compute_ms:g} ms/step, latency {args.latency_ms:g} ms per collective"
+          f"compute {args.compute_ms:.4g} ms/step, latency {args.latency_ms:g} ms per collective"
           + (f", worker speeds {'/'.join(f'{v:g}' for v in speeds)}" if speeds else ""))
-    print(f"{'preset':<16} {'ms/step':>9} {'comm ms':>9} {'MB sent':>9}")
+    print(f"{'preset':<16} {'ms/step':>9} {'comm ms':>9} {'MB sent':>9}  accuracy against sync (preset grid)")
     for row in rows:
         print(f"{row.preset:<16} {1000 * row.seconds_per_step:>9.1f} {1000 * row.communication_seconds:>9.1f} "
-              f"{row.bytes_sent / 1e6:>9.3f}")
-    if not args.measure_compressors:
+              f"{row.bytes_sent / 1e6:>9.3f}  {advisor.accuracy_note(row.preset)}")
+    if not measure:
         print("(compressed presets without their compression compute: add --measure-compressors)")
-    choice = advisor.recommendation(rows)
+    choice = advisor.recommendation(rows, holds=advisor.holds_accuracy)
+    fastest = rows[0].preset
+    if fastest != choice and not advisor.holds_accuracy(fastest):
+        print(f"faster but not accurate everywhere: {fastest} ({advisor.accuracy_note(fastest)})")
     if choice == "sync" and rows[0].preset != "sync":
-        print(f"recommended: sync (nothing is predicted {100 * advisor.BEATS_SYNC_BY:g}% faster; "
-              f"the fastest, {rows[0].preset}, changes the algorithm for less)")
+        print(f"recommended: sync (nothing that keeps accuracy is predicted {100 * advisor.BEATS_SYNC_BY:g}% "
+              "faster)")
     else:
         print(f"recommended: {choice}")
     if args.check:
@@ -191,7 +201,9 @@ def build_parser():
     advise.add_argument("--params", type=float, help="parameter count of the model")
     advise.add_argument("--model", help="a saved Keras model file (its trainable shapes are used)")
     advise.add_argument("--bandwidth-mbit", type=float, required=True, help="link bandwidth, Mbit/s")
-    advise.add_argument("--compute-ms", type=float, required=True, help="measured compute time per step")
+    advise.add_argument("--compute-ms", type=float, help="measured compute time per step (default with --model: "
+                        "timed here)")
+    advise.add_argument("--batch-size", type=int, default=32, help="rows per worker when timing --model")
     advise.add_argument("--latency-ms", type=float, default=0.1, help="latency per collective")
     advise.add_argument("-np", type=int, default=2, help="number of workers")
     advise.add_argument("--speeds", help="each worker's relative compute speed, e.g. 1,0.5 (default: all 1); "

@@ -18,8 +18,7 @@ import tensorflow as tf
 
 from tfdp import presets
 from tfdp.comm.fake import fake_group
-from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
-from tfdp.reducers.compressed import compressed_reducer_factory
+from tfdp.auto import reducer_factory
 
 
 def preset_reducer(preset, communicator):
@@ -27,12 +26,7 @@ def preset_reducer(preset, communicator):
     spec = presets.load_variant(preset)
     if spec["strategy"] != "compressed":
         raise ValueError(f"{preset!r} is not a compressed preset (its strategy is {spec['strategy']!r}).")
-    options = spec["options"]
-    make = compressed_reducer_factory(
-        options.get("compressor", "fp16"), options.get("error_feedback", True), 0,
-        options.get("min_compress_bytes", DEFAULT_MIN_COMPRESS_BYTES), "sum",
-        momentum_correction=options.get("momentum_correction", "auto"))
-    return make(communicator)
+    return reducer_factory(preset, warmup=False)(communicator)
 
 
 def compressor_seconds(preset, shapes, repeats=5, seed=0):
