@@ -257,3 +257,15 @@ def test_tfdp_run_refuses_a_multi_host_job_from_a_loopback_host_name(capsys, mon
     monkeypatch.setattr(socket, "gethostbyname", lambda name: {"vm": "127.0.1.1"}[name])
     assert cli.main(["run", "-np", "2", "-H", "vm:1,other:1", "x.py"]) == 2
     assert "this host's name 'vm' resolves to 127.0.1.1, a loopback address" in capsys.readouterr().err
+
+
+def test_import_tfdp_is_lazy_and_every_subpackage_is_an_attribute():
+    # `tfdp run` and the launcher start without TensorFlow; scripts reach subpackages as attributes.
+    code = ("import sys, tfdp; assert 'tensorflow' not in sys.modules, 'eager import'; "
+            "print(tfdp.presets.preset_names()[0], tfdp.tools.__name__, 'tensorflow' in sys.modules); "
+            "print(tfdp.MirroredStrategy.__name__, tfdp.compression.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = out.stdout.strip().splitlines()[-2:]
+    assert first == "async-s1 tfdp.tools False" and second == "MirroredStrategy tfdp.compression"

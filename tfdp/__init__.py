@@ -15,6 +15,7 @@ benchmarks, advisor).
 """
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 # Names resolve on first use (PEP 562), so `tfdp run`, `tfdp timeline` and the launcher start
@@ -50,9 +51,9 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name):
-    if name == "compression":
-        return importlib.import_module("tfdp.compression")
     if name not in _HOMES:
+        if importlib.util.find_spec(f"tfdp.{name}") is not None:  # a subpackage: tfdp.presets, tfdp.tools, ...
+            return importlib.import_module(f"tfdp.{name}")
         raise AttributeError(f"module 'tfdp' has no attribute {name!r}")
     value = getattr(importlib.import_module(_HOMES[name]), name)
     globals()[name] = value
