@@ -35,10 +35,11 @@ def test_loopback_bench_writes_json_markdown_and_chart(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     sync, topk = report["rows"]
     assert (sync["preset"], topk["preset"]) == ("sync", "topk-1pct")
-    # Sync sends the model's float32 gradients and its row count, exactly, plus the step's metric scalars.
+    # Sync sends the model's float32 gradients, its row count and that squared, exactly, plus the step's
+    # metric scalars.
     shapes = report["single_worker"]["shapes"]
     dense = 4 * sum(math.prod(s) for s in shapes)
-    assert report["raw"]["sync"]["gradient_bytes_per_step"] == dense + 4
+    assert report["raw"]["sync"]["gradient_bytes_per_step"] == dense + 8
     assert 0 < sync["payload_bytes_per_step"] - dense <= 64
     assert topk["payload_bytes_per_step"] < dense / 20
     assert sync["link_bytes_per_step"] is None  # Loopback is shared by all workers: not reported.

@@ -178,3 +178,24 @@ def test_rows_weighting_gives_the_global_mean_for_uneven_splits(make):
     for applied, unweighted in run_ranks(2, body):
         np.testing.assert_allclose(applied, 3.0, rtol=1e-6)
         np.testing.assert_allclose(unweighted, (1.5 + 4.0) / 2, rtol=1e-6)  # negative control: 2.75
+
+
+@pytest.mark.parametrize("counts, exchanges", [((32, 32), 1), ((32, 31), 2), ((3, 5), 2)])
+def test_equal_rows_send_the_plain_sum_once_and_unequal_rows_again_weighted(counts, exchanges):
+    # The all-reduce first sends the plain gradients with [rows, rows^2]: equal rows everywhere
+    # (every full batch) end there; otherwise every rank runs the row-weighted exchange too.
+    from tfdp.reducers.base import rows_of_this_step
+
+    def body(comm):
+        [v] = variables([(1000,)])
+        local = tf.fill([1000], float(comm.rank + 1))
+        with rows_of_this_step(tf.constant(counts[comm.rank], tf.int64)):
+            [applied] = AllReduceGradients(comm).reduce([local], [v])
+        return applied.numpy(), comm.stats.as_dict()
+
+    rows = np.array(counts, dtype=float)
+    expected = 2 * np.sum(rows * np.array([1.0, 2.0])) / rows.sum()  # P x sum(rows g) / sum(rows)
+    for applied, stats in run_ranks(2, body):
+        np.testing.assert_allclose(applied, expected, rtol=1e-6)
+        assert stats["collectives"] == exchanges
+        assert stats["gradient_bytes"] == 4000 + 8 + (exchanges - 1) * (4000 + 4)

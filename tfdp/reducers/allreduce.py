@@ -54,6 +54,7 @@ class AllReduceGradients(GradientReducer):
     """
 
     sparse = True
+    stateless_exchange = True
 
     def __init__(self, communicator, op="sum", bucket_bytes=None, state=None):
         super().__init__(communicator, op, state)

@@ -27,6 +27,14 @@ global mean only when every rank holds as many rows (not for a last partial batc
 ``P * sum(rows * g) / sum(rows)``: the gradient of the global mean, for any split.
 Reducers that carry gradients from step to step (error feedback) set ``weights_rows``
 False: a residual kept at one step's scale would be unweighted at another's.
+
+Equal rows on every rank (every full batch without ``balance``) need no weighting: the
+plain sum is the global mean's gradient. A reducer whose exchange has no state
+(``stateless_exchange``: the all-reduce) sends the plain gradients with ``[rows, rows²]``;
+the ranks' rows were all equal exactly when ``(Σ rows)² = P Σ rows²``, and then the sum is
+applied as it is, at no cost beyond two floats. Otherwise (a last, uneven batch) every
+rank finds the same and the exchange runs again, row-weighted. The weighting's two passes
+over every gradient are gone from the common step.
 """
 
 import abc
@@ -53,14 +61,18 @@ _step = threading.local()
 
 
 @contextlib.contextmanager
-def rows_of_this_step(rows):
-    """Within this block, reductions weight this rank's gradients by `rows` (a scalar tensor)."""
-    previous = getattr(_step, "rows", None)
-    _step.rows = rows
+def rows_of_this_step(rows, even_likely=True):
+    """Within this block, reductions weight this rank's gradients by `rows` (a scalar tensor).
+
+    ``even_likely=False`` (uneven shares by design, ``balance``): weight at once, without first
+    trying the plain sum.
+    """
+    previous = getattr(_step, "rows", None), getattr(_step, "even_likely", True)
+    _step.rows, _step.even_likely = rows, even_likely
     try:
         yield
     finally:
-        _step.rows = previous
+        _step.rows, _step.even_likely = previous
 
 
 def rows_in_this_step():
@@ -103,6 +115,8 @@ class GradientReducer(abc.ABC):
     weights_rows = True
     #: Builds the strategy's optimizers on shards of the model (`tfdp.reducers.sharded`).
     shards_optimizer_state = False
+    #: `_reduce` keeps no state, so it may run twice in a step (see the module docstring: equal rows).
+    stateless_exchange = False
 
     def __init__(self, communicator, op="sum", state=None):
         if op not in _OPS:
@@ -133,24 +147,45 @@ class GradientReducer(abc.ABC):
         dense = [i for i in present if i not in slices]
         opt = optimizer_view(optimizer)
         rows = getattr(_step, "rows", None) if self.communicator.size > 1 and self.weights_rows else None
+        if rows is not None and dense and not slices and self.stateless_exchange \
+                and getattr(_step, "even_likely", True):
+            reduced, gathered = self._sum_assuming_even_rows(grads, variables, dense, opt, rows)
+        else:
+            reduced, gathered = self._sum_weighted_by_rows(grads, variables, dense, slices, opt, rows)
+        if dense:
+            reduced = self._after_reduce(list(reduced), [variables[i] for i in dense], opt)
+        result = list(grads)
+        for i, g in zip(dense + slices, list(reduced) + list(gathered)):
+            result[i] = g
+        return result
+
+    def _sum_weighted_by_rows(self, grads, variables, dense, slices, opt, rows):
+        """The summed dense gradients (before `_after_reduce`) and slices, row-weighted unless `rows`
+        is None."""
         weight = (lambda g: g) if rows is None else (lambda g: _scaled(g, tf.cast(rows, tf.float32)))
         dense_grads = [weight(tf.convert_to_tensor(grads[i])) for i in dense]
         dense_vars = [variables[i] for i in dense]
         if rows is not None:  # the row count rides along in the same exchange
             dense_grads.append(tf.reshape(tf.cast(rows, tf.float32), [1]))
             dense_vars.append(ROW_COUNT)
-        result = list(grads)
         reduced = self._reduce(dense_grads, dense_vars, opt) if dense_grads else []
         gathered = self._reduce_slices([weight(grads[i]) for i in slices], opt)
         if rows is not None:
             *reduced, total = reduced
             gathered = [self.unweight(g, total) for g in gathered]
             reduced = [self.unweight(g, total) for g in reduced]
-        if dense:
-            reduced = self._after_reduce(list(reduced), dense_vars[: len(dense)], opt)
-        for i, g in zip(dense + slices, list(reduced) + list(gathered)):
-            result[i] = g
-        return result
+        return list(reduced), list(gathered)
+
+    def _sum_assuming_even_rows(self, grads, variables, dense, opt, rows):
+        """The plain sum, sent with ``[rows, rows²]``; the row-weighted exchange again if the ranks'
+        rows differed (the same decision on every rank: they all hold the same sums)."""
+        count = tf.cast(rows, tf.float32)
+        *summed, counts = self._reduce([tf.convert_to_tensor(grads[i]) for i in dense] + [tf.stack([count, count * count])],
+                                       [variables[i] for i in dense] + [ROW_COUNT], opt)
+        # Exact in float32 while P * rows² < 2**24 (rows per rank below 2,896 on 2 workers).
+        even = tf.equal(counts[0] * counts[0], float(self.communicator.size) * counts[1])
+        reduced = tf.cond(even, lambda: summed, lambda: self._sum_weighted_by_rows(grads, variables, dense, [], opt, rows)[0])
+        return list(reduced), []
 
     def unweight(self, grad, total_rows):
         """``P * grad / total_rows``: a sum of row-weighted gradients back to the global mean's

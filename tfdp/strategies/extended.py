@@ -350,7 +350,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         rows = num_rows(first)
         if self.balancer is not None:
             data = self.balancer.step_started(data, rows)
-        with rows_of_this_step(rows):
+        with rows_of_this_step(rows, even_likely=self.balancer is None):
             yield data
 
     def evaluation_step(self, data):

@@ -32,6 +32,8 @@ from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
 
 
 ROW_COUNT_BYTES = 4
+#: Sync's all-reduce sends each rank's row count and its square (equal rows need no weighting).
+EVEN_ROWS_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,12 @@ def exchange(preset_options, kind, shapes):
     """Return (payloads, collectives): [(bytes, "allreduce"|"allgather")] per exchange and its count.
 
     Each rank's row count (one float32) travels with the gradients of a Keras training step,
-    except under error feedback, whose residuals must not change scale with a step's rows.
+    except under error feedback, whose residuals must not change scale with a step's rows;
+    sync's plain all-reduce sends the count and its square (`tfdp.reducers.base`).
     """
-    dense = sum(4 * _numel(s) for s in shapes) + ROW_COUNT_BYTES
+    plain_sum = kind == "mirrored" and not preset_options.get("balance") \
+        and not preset_options.get("shard_optimizer_state")
+    dense = sum(4 * _numel(s) for s in shapes) + (EVEN_ROWS_BYTES if plain_sum else ROW_COUNT_BYTES)
     if kind != "compressed":
         return [(dense, "allreduce")], 1
     codec = resolve(preset_options.get("compressor", "fp16"))
