@@ -63,13 +63,17 @@ bench-balance: setup
 	.venv/bin/tfdp bench --presets sync balanced -np 4 --workload cnn --batch-size 64 --rate-mbit 1000 \
 		--steps 40 --warmup-steps 60 --slowdown 1:4 --out $(RESULTS)/hosts-balanced-4workers-slow1x2
 
-# Overlap (root): sync with and without gradient buckets on the CNN, on 2 emulated hosts at
-# 100 Mbit/s and at 400 Mbit/s; the advisor column is the no-overlap prediction C + M.
+# Overlap (root): sync in one group (bucket_bytes=null) and in its default 256 KiB buckets on the
+# CNN, on 2 emulated hosts at 100 and 400 Mbit/s and on loopback; the advisor column is the
+# no-overlap prediction C + M.
+OVERLAP := sync:bucket_bytes=null sync sync:bucket_bytes=1048576
 bench-overlap: setup
-	.venv/bin/tfdp bench --presets sync sync:bucket_bytes=262144 --workload cnn --batch-size 64 --rate-mbit 100 \
+	.venv/bin/tfdp bench --presets $(OVERLAP) --workload cnn --batch-size 64 --rate-mbit 100 \
 		--steps 12 --out $(RESULTS)/hosts-100mbit-cnn-buckets
-	.venv/bin/tfdp bench --presets sync sync:bucket_bytes=262144 --workload cnn --batch-size 64 --rate-mbit 400 \
+	.venv/bin/tfdp bench --presets $(OVERLAP) --workload cnn --batch-size 64 --rate-mbit 400 \
 		--steps 20 --out $(RESULTS)/hosts-400mbit-cnn-buckets
+	.venv/bin/tfdp bench --presets $(OVERLAP) --workload cnn --batch-size 64 \
+		--steps 20 --out $(RESULTS)/loopback-cnn-buckets
 
 # Each compressed preset's compute per step on the 6 M-parameter MLP's gradients (one thread).
 bench-compressor-speed: setup

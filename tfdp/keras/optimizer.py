@@ -10,7 +10,7 @@ _OPS = ("average", "sum")
 
 
 def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  # noqa: N802 (Horovod's name)
-                         compression=None, error_feedback=True, bucket_bytes=None):
+                         compression=None, error_feedback=True, bucket_bytes="auto"):
     """Make `optimizer` average its gradients across Horovod workers before each update.
 
     For custom training loops and for `fit` without a tfdp strategy. The optimizer
@@ -31,7 +31,8 @@ def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  #
         error_feedback: with `compression`, keep what compression dropped and send
             it later (False for randomk).
         bucket_bytes: without `compression`, all-reduce in buckets of about this many
-            bytes, last layers first, overlapping backprop (see `tfdp.MirroredStrategy`).
+            bytes, last layers first, overlapping backprop; ``"auto"``: 256 KiB, None: one
+            group (see `tfdp.MirroredStrategy`).
 
     Returns:
         `optimizer`, with ``optimizer.communication_stats()`` added.

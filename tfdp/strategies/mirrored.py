@@ -39,10 +39,11 @@ class MirroredStrategy(HorovodStrategy):
             the one-process trajectory of the same global batch (gradients and
             synchronized batch norm are weighted by rows; step logs too).
             `balance_stats()` reports the shares. See `tfdp.strategies.balance`.
-        bucket_bytes: None: one grouped all-reduce of every gradient after backprop. An
-            integer: buckets of about that many bytes, last layers first, each
-            all-reduced as soon as its gradients exist (overlap with backprop); the
-            same sums. See `tfdp.reducers.AllReduceGradients`.
+        bucket_bytes: an integer: buckets of about that many bytes, last layers first,
+            each all-reduced as soon as its gradients exist (overlap with backprop); the
+            same sums. ``"auto"`` (default): 256 KiB (measured, see
+            `tfdp.reducers.allreduce.DEFAULT_BUCKET_BYTES`). None: one grouped all-reduce of
+            every gradient after backprop.
         shard_optimizer_state: False: every worker keeps the whole optimizer state. True
             (or ``"flat"``, ``"variables"``): ZeRO stage 1, each worker keeps the optimizer
             state of 1/P of the model; gradients are reduce-scattered, each worker updates its
@@ -50,7 +51,7 @@ class MirroredStrategy(HorovodStrategy):
             all-reduce). Same weights as without it; checkpoints hold the whole state (loadable
             by plain Keras, or by any number of workers). `memory_stats(optimizer)` reports
             the bytes. Under mixed_float16 the LossScaleOptimizer's inner optimizer is sharded
-            and every worker skips the same overflowing steps. Not with ``bucket_bytes``,
+            and every worker skips the same overflowing steps. Not with an explicit ``bucket_bytes``,
             ``skip_nonfinite`` or gradient accumulation. See `tfdp.reducers.sharded`.
 
     Example:
@@ -62,14 +63,15 @@ class MirroredStrategy(HorovodStrategy):
         >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
     """
 
-    def __init__(self, global_step_logs=True, skip_nonfinite=False, balance=None, bucket_bytes=None,
+    def __init__(self, global_step_logs=True, skip_nonfinite=False, balance=None, bucket_bytes="auto",
                  shard_optimizer_state=False):
         check_bucket_bytes(bucket_bytes)
         partition = _sharding(shard_optimizer_state)
-        if partition is not None and (bucket_bytes is not None or skip_nonfinite):
+        explicit_buckets = bucket_bytes not in (None, "auto")
+        if partition is not None and (explicit_buckets or skip_nonfinite):
             raise ValueError(
                 "shard_optimizer_state does not combine with "
-                f"{'bucket_bytes' if bucket_bytes is not None else 'skip_nonfinite=True'} (its reduce-scatter is "
+                f"{'bucket_bytes' if explicit_buckets else 'skip_nonfinite=True'} (its reduce-scatter is "
                 "one collective, and each worker sees only its shard of the reduced gradients). Drop one of them.")
 
         def make_reducer(communicator):
