@@ -171,3 +171,12 @@ def test_balance_with_error_feedback_is_refused_and_named():
     assert strategy.balance_stats() is None  # one process: nothing to balance
     with pytest.raises(ValueError, match="one weight per worker"):
         tfdp.MirroredStrategy(balance=[0.5, 0.5])  # this process is a job of one worker
+
+
+@pytest.mark.multiprocess
+@pytest.mark.full
+def test_uneven_shares_compose_with_sharded_optimizer_state(tmp_path, mlp_reference):
+    # zero1's reduce-scatter weights each rank's gradient by its rows too: 70/30 shares with each
+    # worker keeping half of the optimizer state still follow one process.
+    ranks = run_case(tmp_path, "sharded", 2, "--model", "mlp", "--balance", "0.7,0.3", "--epochs", "2", "--shard")
+    assert_follows(mlp_reference, ranks, [0.7, 0.3])

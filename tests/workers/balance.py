@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--batches", type=int, default=23)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--bucket-bytes", type=int, help="MirroredStrategy(bucket_bytes=...)")
+    parser.add_argument("--shard", action="store_true", help="MirroredStrategy(shard_optimizer_state=True)")
     parser.add_argument("--unweighted", action="store_true",
                         help="negative control: the gradient exchange ignores the rows (a plain mean)")
     args = parser.parse_args()
@@ -76,7 +77,8 @@ def main():
         balance = None
         if args.balance:
             balance = "auto" if args.balance == "auto" else [float(w) for w in args.balance.split(",")]
-        strategy = tfdp.MirroredStrategy(balance=balance, bucket_bytes=args.bucket_bytes)
+        strategy = tfdp.MirroredStrategy(balance=balance, shard_optimizer_state=args.shard,
+                                         bucket_bytes=None if args.shard else args.bucket_bytes)
         if args.unweighted:
             strategy.gradient_reducer.weights_rows = False
         with strategy.scope():
