@@ -22,10 +22,12 @@ PARITY = 1e-6
 CONTROL = 1e-4
 # The quick tier resumes the preset with the most reducer state; the full tier all of them.
 # "@adam": under Adam, top-k compresses each worker's own optimizer step, so every rank's
-# Adam moments are state too; zero1 keeps each rank's shard of Adam's moments.
+# Adam moments are state too; zero1 keeps each rank's shard of Adam's moments. auto picks (here
+# among PowerSGD alone) at step 10 of epoch 0: its pick and PowerSGD's state are in the checkpoint.
 PRESETS = [pytest.param("topk-1pct"),
            *(pytest.param(p, marks=pytest.mark.full)
-             for p in ("sync", "powersgd-r4", "async-s1", "local-sgd-h16", "topk-1pct@adam", "zero1@adam"))]
+             for p in ("sync", "powersgd-r4", "async-s1", "local-sgd-h16", "topk-1pct@adam", "zero1@adam",
+                       "auto:candidates=[powersgd-r4]"))]
 
 
 def max_relative_difference(a, b):
