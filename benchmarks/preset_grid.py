@@ -15,7 +15,8 @@ every seed, 20 epochs, and reads the test accuracy after 12 epochs (the short bu
 Writes ``benchmarks/results/preset_grid.json`` (every run) and ``preset_grid.md``: per cell,
 budget and preset, the mean test accuracy minus sync in percentage points with its standard
 error over seeds (of the per-seed differences), the gradient bytes per step one worker sent,
-and the exchanges per step. Also ``strategies/accuracy.json``, per preset the (cell, budget)
+and the exchanges per step. Also ``strategies/accuracy.json`` (``OUT.accuracy.json`` for
+another ``--out``), per preset the (cell, budget)
 pairs measured, how many are within 1 pp of sync and the worst one: what `tfdp advise`
 reports and what `tfdp.AutoStrategy` chooses its candidates from.
 
@@ -37,6 +38,8 @@ PRESETS = ["fp16", "bf16", "qsgd", "topk-1pct", "efsign", "powersgd-r4", "async-
 MODELS = [("digits", "conv"), ("digits", "mlp"), ("breast_cancer", "mlp")]
 CELLS = [f"{d}-{m}-{o}-{b}" for (d, m), o, b in itertools.product(MODELS, ["sgd", "adam"], [32, 128])]
 BAND_PP = 1.0
+DEFAULT_OUT = HERE / "results" / "preset_grid"
+SUMMARY = HERE.parent / "strategies" / "accuracy.json"
 
 
 def parse_cell(name):
@@ -91,8 +94,9 @@ def accuracy_summary(rows):
     return summary
 
 
-def write_summary(rows):
-    path = HERE.parent / "strategies" / "accuracy.json"
+def write_summary(rows, out):
+    """The shipped summary for the default results; ``OUT.accuracy.json`` beside any other --out."""
+    path = SUMMARY if Path(out).resolve() == DEFAULT_OUT else Path(f"{out}.accuracy.json")
     path.write_text(json.dumps({"source": "benchmarks/results/preset_grid.md (2 workers, 3 seeds)",
                                 "presets": accuracy_summary(rows)}, indent=1) + "\n")
 
@@ -131,7 +135,7 @@ def main():
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--report-epochs", nargs="+", type=int, default=[12, 20])
-    parser.add_argument("--out", default=str(HERE / "results" / "preset_grid"))
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out's json, run the rest")
     parser.add_argument("--replace", action="store_true",
                         help="with --resume: in cells already run, run --presets again (not sync) "
@@ -139,7 +143,7 @@ def main():
     parser.add_argument("--summary-only", action="store_true", help="rewrite strategies/accuracy.json and stop")
     args = parser.parse_args()
     if args.summary_only:
-        write_summary(json.loads(Path(f"{args.out}.json").read_text())["rows"])
+        write_summary(json.loads(Path(f"{args.out}.json").read_text())["rows"], args.out)
         return
     runs = json.loads(Path(f"{args.out}.json").read_text())["runs"] if args.resume else []
     done = {r["cell"] for r in runs}
@@ -153,7 +157,7 @@ def main():
         print(markdown([r for r in rows if r["cell"] == cell]), flush=True)
     rows = summarise(runs, args.report_epochs)
     Path(f"{args.out}.md").write_text(pivot(rows) + "\n" + markdown(rows))
-    write_summary(rows)
+    write_summary(rows, args.out)
     failing = [r for r in rows if r["preset"] != "sync" and r["diff_pp"] < -BAND_PP]
     print(f"{len(failing)} (cell, budget, preset) more than {BAND_PP} pp below sync:")
     for r in failing:
