@@ -16,9 +16,9 @@ Writes ``benchmarks/results/preset_grid.json`` (every run) and ``preset_grid.md`
 budget and preset, the mean test accuracy minus sync in percentage points with its standard
 error over seeds (of the per-seed differences), the gradient bytes per step one worker sent,
 and the exchanges per step. Also ``strategies/accuracy.json`` (``OUT.accuracy.json`` for
-another ``--out``), per preset the (cell, budget)
-pairs measured, how many are within 1 pp of sync and the worst one: what `tfdp advise`
-reports and what `tfdp.AutoStrategy` chooses its candidates from.
+another ``--out``), per preset the (cell, budget) pairs measured, how many are within 1 pp
+of sync and the worst one: what `tfdp advise` reports and what `tfdp.AutoStrategy` chooses
+its candidates from.
 
     .venv/bin/python benchmarks/preset_grid.py --summary-only     # rewrite accuracy.json from the json
 """
@@ -96,8 +96,10 @@ def accuracy_summary(rows):
 
 def write_summary(rows, out):
     """The shipped summary for the default results; ``OUT.accuracy.json`` beside any other --out."""
-    path = SUMMARY if Path(out).resolve() == DEFAULT_OUT else Path(f"{out}.accuracy.json")
-    path.write_text(json.dumps({"source": "benchmarks/results/preset_grid.md (2 workers, 3 seeds)",
+    shipped = Path(out).resolve() == DEFAULT_OUT
+    path = SUMMARY if shipped else Path(f"{out}.accuracy.json")
+    source = "benchmarks/results/preset_grid.md" if shipped else f"{out}.md"
+    path.write_text(json.dumps({"source": f"{source} (2 workers, 3 seeds)",
                                 "presets": accuracy_summary(rows)}, indent=1) + "\n")
 
 
@@ -140,7 +142,7 @@ def main():
     parser.add_argument("--replace", action="store_true",
                         help="with --resume: in cells already run, run --presets again (not sync) "
                              "and replace their runs")
-    parser.add_argument("--summary-only", action="store_true", help="rewrite strategies/accuracy.json and stop")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite the accuracy summary from --out's json and stop")
     args = parser.parse_args()
     if args.summary_only:
         write_summary(json.loads(Path(f"{args.out}.json").read_text())["rows"], args.out)
