@@ -9,7 +9,7 @@ same weights and data.
 ``PROGRAMS[name] = (function, reference)``: reference ``"plain"`` when the program must
 match one plain process, ``"tf-mirrored"`` where Keras defines the result by what
 `tf.distribute.MirroredStrategy` does (per-replica batch statistics). ``TOLERANCES`` holds
-the few programs compared more loosely than 1e-5, with the reason.
+the programs compared more loosely than 1e-5, with the reason (none today).
 
 Result keys starting with ``per_rank_`` may differ between the ranks of one job (they
 are compared with the reference on rank 0); ``uncompared_`` keys are reported only.
@@ -22,8 +22,7 @@ import tensorflow as tf
 GLOBAL_BATCH = 32
 SEED = 11
 PROGRAMS = {}
-# float16 sums the gradient's batch rows in a different grouping on 2 workers.
-TOLERANCES = {"mixed_precision": 1e-3}
+TOLERANCES = {}
 
 
 def program(reference="plain"):
@@ -529,7 +528,10 @@ def epoch_callbacks(make_strategy):
 
 # -- set-up ----------------------------------------------------------------------------
 
-@program()
+# float16 rounds each worker's half-batch forward and backward pass on its own: against one
+# process that measured 1.2e-3 relative on an AVX512-FP16 CPU (earlier machines stayed under
+# 1e-3). tf.distribute's two replicas round exactly as tfdp's two workers do (measured 0.0).
+@program("tf-mirrored")
 def mixed_precision(make_strategy):
     x, y = regression()
     keras.mixed_precision.set_global_policy("mixed_float16")
