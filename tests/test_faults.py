@@ -19,6 +19,7 @@ BAD_INPUT = {
     "different-model": "the model differs across workers",
     "extra-layer": "the model differs across workers",
     "jit": "Pass jit_compile=False",
+    "optimizer-outside": "the optimizer SGD was created outside the scope of the model's MirroredStrategy",
     "tiny-batch": "The global batch size 1 is smaller than the number of workers (2)",
     "input-dtype": "The workers' inputs differ in shape or dtype: ranks [1] do not match rank 0",
     "input-shape": "The workers' inputs differ in shape or dtype: ranks [1] do not match rank 0",

@@ -308,6 +308,27 @@ def embedding_sparse_gradients_momentum_sgd(make_strategy):
     # SGD is linear in the gradient: duplicate rows are summed before they travel.
     return embedding_sparse_gradients(make_strategy, lambda: keras.optimizers.SGD(0.5, momentum=0.9))
 
+@program()
+def predict_and_evaluate_datasets(make_strategy):
+    x, y = regression(n=100)
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae", keras.metrics.RootMeanSquaredError()]})
+    predicted = model.predict(tf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH), verbose=0)  # inputs only
+    evaluated = model.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), verbose=0,
+                               return_dict=True)
+    return result(model, history, evaluated, predicted)
+
+
+@program()
+def tf_data_sample_weights_validation_freq(make_strategy):
+    x, y = regression()
+    weights = np.linspace(0.2, 1.8, len(x)).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(GLOBAL_BATCH)
+    validation = tf.data.Dataset.from_tensor_slices(regression(64, seed=5)).batch(GLOBAL_BATCH)
+    model = build(make_strategy, compile_kwargs=lambda: {"weighted_metrics": ["mae"]})
+    history = model.fit(ds, epochs=4, validation_data=validation, validation_freq=2, validation_steps=1, verbose=0)
+    return result(model, history)
+
+
 
 # -- models ----------------------------------------------------------------------------
 
@@ -446,6 +467,126 @@ def batchnorm_per_replica(make_strategy):
     out["per_rank_moving_statistics"] = [w.numpy().tolist() for w in model.non_trainable_weights]
     return out
 
+@program()
+def lstm_sequences(make_strategy):
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(96, 5, 3)).astype("float32")
+    y = (x.sum(axis=(1, 2))[:, None] / 5).astype("float32")
+    model = build(make_strategy, lambda: keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(8),
+                                                            keras.layers.Dense(1)]))
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, predict=model.predict(x[:10], verbose=0))
+
+
+@program()
+def gru_masked_embedding(make_strategy):
+    rng = np.random.default_rng(5)
+    x = rng.integers(1, 20, size=(96, 7)).astype("int32")
+    x[:, 5:] = 0  # padding, masked
+    y = (x[:, :5].mean(axis=1, keepdims=True) / 20).astype("float32")
+    model = build(make_strategy, lambda: keras.Sequential([
+        keras.Input((7,), dtype="int32"), keras.layers.Embedding(20, 4, mask_zero=True), keras.layers.GRU(6),
+        keras.layers.Dense(1)]))
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history)
+
+
+@program()
+def conv1d_text(make_strategy):
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 50, size=(96, 12)).astype("int32")
+    y = (x % 2).mean(axis=1).round().astype("int32")
+    model = build(make_strategy, lambda: keras.Sequential([
+        keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8), keras.layers.Conv1D(8, 3, activation="relu"),
+        keras.layers.GlobalMaxPooling1D(), keras.layers.Dense(2)]),
+        lambda: {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "metrics": ["accuracy"]})
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history)
+
+
+@program()
+def shared_layer_two_inputs(make_strategy):
+    x, y = regression()
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        a, b = keras.Input((3,)), keras.Input((3,))
+        shared = keras.layers.Dense(8, activation="tanh")
+        model = keras.Model([a, b], keras.layers.Dense(1)(keras.layers.Add()([shared(a), shared(b)])))
+        model.compile(sgd(), "mse")
+    history = model.fit([x[:, :3], x[:, 3:]], y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history)
+
+
+class ActivityLoss(keras.layers.Layer):
+    def call(self, h):
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.square(h)))
+        return h
+
+
+@program()
+def regularizer_and_layer_losses(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05)),
+        ActivityLoss(), keras.layers.Dense(1)]))
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def normalization_adapted_in_scope(make_strategy):
+    x, y = regression()
+    x = x * 3 + 1
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        norm = keras.layers.Normalization()
+        norm.adapt(x)
+        model = keras.Sequential([keras.Input((6,)), norm, keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(sgd(), "mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history)
+
+
+@program()
+def saved_model_loaded_in_scope(make_strategy):
+    import tempfile
+
+    x, y = regression()
+    keras.utils.set_random_seed(SEED)
+    pretrained = mlp()  # built and saved without any strategy, as another script would
+    with tempfile.TemporaryDirectory() as folder:
+        pretrained.save(f"{folder}/pretrained.keras")
+        strategy = make_strategy()
+        with strategy.scope():
+            model = keras.models.load_model(f"{folder}/pretrained.keras")
+            model.compile(sgd(), "mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history)
+
+
+def log_cosh(y_true, y_pred):
+    return keras.ops.mean(keras.ops.log(keras.ops.cosh(y_true - y_pred)), axis=-1)
+
+
+@program()
+def custom_loss_function(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"loss": log_cosh})
+    return result(model, history)
+
+
+@program()
+def auc_precision_recall(make_strategy):
+    x, y = classification(classes=2)
+    model, history = fit_mlp(make_strategy, x, y.astype("float32"), lambda: {
+        "loss": "binary_crossentropy",
+        "metrics": [keras.metrics.AUC(), keras.metrics.Precision(), keras.metrics.Recall(), "accuracy"]},
+        model_fn=lambda: mlp(activation="sigmoid"), validation_data=classification(64, classes=2, seed=7))
+    return result(model, history)
+
+
 
 # -- optimizers and steps --------------------------------------------------------------
 
@@ -496,6 +637,59 @@ def on_batch_methods(make_strategy):
     losses = [float(model.train_on_batch(x, y)) for _ in range(3)]
     return result(model, test_on_batch=float(model.test_on_batch(x, y)), train_losses=losses,
                   predict=model.predict_on_batch(x[:8]))
+
+@program()
+def adamw_lr_schedule(make_strategy):
+    x, y = regression()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=2, decay_rate=0.5)
+    model, history = fit_mlp(make_strategy, x, y, lambda: {
+        "optimizer": keras.optimizers.AdamW(schedule, weight_decay=0.1)}, epochs=3)
+    return result(model, history)
+
+
+@program()
+def ema_weights(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"optimizer": keras.optimizers.SGD(
+        0.05, momentum=0.9, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3)})
+    return result(model, history)
+
+
+@program()
+def clipvalue(make_strategy):
+    # tf.distribute clips each replica's gradient before summing (1.0 relative from one
+    # process here); tfdp clips the summed one, as one process does.
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"optimizer": keras.optimizers.SGD(0.05, clipvalue=0.01)})
+    return result(model, history)
+
+
+@program()
+def run_eagerly(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"run_eagerly": True, "metrics": ["mae"]})
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def freeze_and_recompile_outside_scope(make_strategy):
+    # Keras's transfer-learning pattern: freeze, compile again (outside the scope), fit again.
+    x, y = regression()
+    model, _ = fit_mlp(make_strategy, x, y, epochs=1)
+    model.layers[0].trainable = False
+    model.compile("adam", "mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  iterations=int(model.optimizer.iterations.numpy()))
+
+
+@program()
+def fit_again_from_initial_epoch(make_strategy):
+    x, y = regression()
+    model, first = fit_mlp(make_strategy, x, y, epochs=1)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, initial_epoch=1, epochs=3, shuffle=False, verbose=0)
+    return result(model, history, first=first.history["loss"], iterations=int(model.optimizer.iterations.numpy()))
+
 
 
 # -- callbacks -------------------------------------------------------------------------

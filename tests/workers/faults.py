@@ -7,6 +7,7 @@
 
     --case different-model   rank 1 builds a wider layer
     --case jit               compile(jit_compile=True)
+    --case optimizer-outside the optimizer object is made before the strategy's scope
     --case extra-layer       rank 1 builds one more layer
     --case die               rank 1 SIGKILLs itself during fit
     --case stall             rank 1 stops (sleeps) during fit without exiting
@@ -42,6 +43,7 @@ class StallAtBatch(keras.callbacks.Callback):
 
 
 def run_case(case):
+    optimizer = keras.optimizers.SGD() if case == "optimizer-outside" else "sgd"
     strategy = tfdp.MirroredStrategy()
     width = 13 if (case == "different-model" and rank() == 1) else 12
     with strategy.scope():
@@ -49,7 +51,7 @@ def run_case(case):
         if case == "extra-layer" and rank() == 1:
             layers.append(keras.layers.Dense(1))
         model = keras.Sequential(layers)
-        model.compile(optimizer="sgd", loss="mse", jit_compile=case == "jit")
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=case == "jit")
     features = 5 if (case == "input-shape" and rank() == 1) else 4
     dtype = "int32" if (case == "input-dtype" and rank() == 1) else "float32"
     x = np.ones((4096, features), dtype)

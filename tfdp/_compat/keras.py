@@ -471,6 +471,46 @@ def _patch_optimizers():
     _patch(loss_scale_optimizer.LossScaleOptimizer, "apply", _reduce_before_apply)
 
 
+def _patch_compile():
+    # keras/src/trainers/trainer.py `compile` creates a string optimizer, the loss and the
+    # metrics under whatever strategy is current, and keras/src/backend/tensorflow/
+    # optimizer.py records it in the optimizer. A model of a tfdp strategy recompiled outside
+    # the scope (fine-tuning after freezing layers) gets them under its own strategy; an
+    # optimizer object made outside would apply gradients tfdp never averages, so it is refused.
+    from keras.src.trainers import trainer
+
+    original = trainer.Trainer.compile
+
+    @functools.wraps(original)
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        import tensorflow as tf
+
+        strategy = getattr(self, "_distribute_strategy", None)
+        if _strategy_hooks(strategy) is None:
+            return original(self, optimizer, *args, **kwargs)
+        _refuse_optimizer_of_another_strategy(optimizer, strategy)
+        if tf.distribute.has_strategy():
+            return original(self, optimizer, *args, **kwargs)
+        with strategy.scope():
+            return original(self, optimizer, *args, **kwargs)
+
+    compile._tfdp_original = original
+    trainer.Trainer.compile = compile
+
+
+def _refuse_optimizer_of_another_strategy(optimizer, strategy):
+    for each in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        created_under = getattr(each, "_distribution_strategy", None)
+        if created_under is not None and created_under is not strategy and each not in _bound_reducers:
+            name = type(each).__name__
+            raise ValueError(
+                f"tfdp: the optimizer {name} was created outside the scope of the model's "
+                f"{type(strategy).__name__}, so tfdp would never average its gradients across workers. "
+                f"Create it inside the scope: `with model.distribute_strategy.scope(): "
+                f"model.compile(optimizer=keras.optimizers.{name}(...), ...)` (a string such as "
+                f"optimizer=\"adam\" also works outside the scope).")
+
+
 def _patch_step_outputs():
     # keras/src/backend/tensorflow/trainer.py: train/test/predict steps pass the outputs
     # of `strategy.run` through module-level `reduce_per_replica`. A tfdp strategy has
@@ -814,6 +854,7 @@ def install():
     _patch_step_function("train")
     _patch_step_function("test")
     _patch_reset_metrics()
+    _patch_compile()
     _installed = True
 
 
@@ -843,5 +884,6 @@ def hooked_functions():
         (tf_trainer.TensorFlowTrainer, "make_train_function"),
         (tf_trainer.TensorFlowTrainer, "make_test_function"),
         (trainer.Trainer, "reset_metrics"),
+        (trainer.Trainer, "compile"),
     ]
 
