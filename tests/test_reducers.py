@@ -1,5 +1,6 @@
 """Every reducer through the one protocol, on fake ranks in one process (no horovodrun)."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -109,6 +110,28 @@ def test_local_sgd_averages_every_h_updates_and_at_settle():
     assert seen0[:2] == [-2.0, -6.0] and seen1[:2] == [-4.0, -6.0]
     assert end0 == end1 == -9.0  # step 3 local (-8, -10), averaged again by settle
     assert rounds == 2
+
+
+def test_local_sgd_follows_a_model_compiled_again_with_other_trainable_variables():
+    # Unfreezing a layer and compiling again hands the reducer a longer variable list and a
+    # new optimizer: the averages cover the new list, the per-rank optimizer copies the new
+    # optimizer's variables only.
+    def body(comm):
+        a, b = variables([(1,), (2,)])
+        reducer = LocalSGD(comm, sync_every=1)
+        for trainable, optimizer in (([a], keras.optimizers.SGD(1.0, momentum=0.9)), ([a, b], keras.optimizers.SGD(1.0))):
+            optimizer.build(trainable)
+            for v in trainable:
+                v.assign_add(tf.fill(v.shape, float(comm.rank)))  # the ranks drift apart
+            reducer.after_update(trainable)  # and are averaged (every step: sync_every=1)
+            reducer.state.capture(optimizer)
+        captured = [k for k in reducer.state.keys() if k.startswith("optimizer/")]
+        return a.numpy().tolist(), b.numpy().tolist(), len(captured), len(optimizer.variables)
+
+    (a0, b0, captured, expected), (a1, b1, _, _) = run_ranks(2, body)
+    assert a0 == a1 == [1.0]  # 0.5 after the first average, then +0/+1 and averaged again
+    assert b0 == b1 == [0.5, 0.5]  # trainable only after compiling again: averaged too
+    assert captured == expected == 2  # iterations and learning rate; no momentum of the first optimizer
 
 
 class DictStore(dict):

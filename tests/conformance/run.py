@@ -3,6 +3,7 @@
     python run.py --modes plain tf-mirrored --out DIR   one plain process, then
                                                         tf.distribute.MirroredStrategy on 2 logical CPUs
     horovodrun -np 2 ... python run.py --modes tfdp --out DIR
+    horovodrun -np 2 ... python run.py --modes preset:zero1 --out DIR   `tfdp.strategy("zero1")`
 
 Each rank writes ``<mode>-rank<r>.json``: ``{program: {"seconds": s, ...numbers} or {"error": text}}``.
 A program that raises is recorded, and the next one runs: every rank raises at the same
@@ -38,12 +39,20 @@ def strategy_factory(mode):
 
     if mode == "tfdp-balanced":  # uneven static shares: rank 0 gets 70% of every batch
         return lambda: tfdp.MirroredStrategy(balance=[0.7, 0.3])
+    if mode.startswith("preset:"):
+        return lambda: tfdp.strategy(mode.split(":", 1)[1])
     return tfdp.MirroredStrategy
+
+
+def mode_name(text):
+    if text in ("plain", "tf-mirrored", "tfdp", "tfdp-balanced") or text.startswith("preset:"):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown mode {text!r}: plain, tf-mirrored, tfdp, tfdp-balanced or preset:NAME")
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--modes", nargs="+", choices=["plain", "tf-mirrored", "tfdp", "tfdp-balanced"], required=True)
+    parser.add_argument("--modes", nargs="+", type=mode_name, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--programs", nargs="*", help="default: all, in definition order")
     parser.add_argument("--mirrored-programs", nargs="*", help="tf-mirrored runs only these (default: all)")

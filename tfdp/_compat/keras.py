@@ -39,8 +39,9 @@ class StrategyHooks(abc.ABC):
         """True on the worker that prints and writes files."""
 
     @abc.abstractmethod
-    def reduce_step_outputs(self, values, reduction):
-        """Make a step's outputs global (`reduction` as in Keras's `reduce_per_replica`)."""
+    def reduce_step_outputs(self, values, reduction, training=True):
+        """Make a step's outputs global (`reduction` as in Keras's `reduce_per_replica`;
+        `training`: a train step's, else a test or predict step's)."""
 
     @abc.abstractmethod
     def check_batch_size(self, batch_size):
@@ -301,7 +302,8 @@ def _shard(optimizer, reducer):
     keras/src/optimizers/base_optimizer.py: `apply(grads, trainable_variables)` builds the
     optimizer on first use (`self.build(variables)`, which subclasses such as Adam
     override) and `apply_gradients` calls `self.apply`; saving_lib calls
-    `save_own_variables(store)` / `load_own_variables(store)`. Instance attributes take
+    `save_own_variables(store)` / `load_own_variables(store)`, and `fit` ends with
+    `finalize_variable_values` (moving averages into the model, `use_ema`). Instance attributes take
     precedence over all of them, for this optimizer only. The reducer builds the optimizer
     on its shards (`build_recording_slots`) and calls back `apply_to(grads, shards)`.
     """
@@ -326,14 +328,20 @@ def _shard(optimizer, reducer):
 
         reducer.apply_sharded(optimizer, list(grads), trainable_variables, apply_to)
 
+    def finalize_variable_values(var_list):
+        # `fit` ends with this on the model's variables; the moving averages are of the shards.
+        if optimizer.use_ema and optimizer.built:
+            with optimizer._distribution_strategy.scope():
+                reducer.overwrite_with_averages(optimizer)
+
     def save_own_variables(store):
         reducer.save_sharded(optimizer, store, lambda s: cls.save_own_variables(optimizer, s))
 
     def load_own_variables(store):
         reducer.load_sharded(optimizer, store, lambda s: cls.load_own_variables(optimizer, s))
 
-    for name, method in (("build", build), ("apply", apply), ("save_own_variables", save_own_variables),
-                         ("load_own_variables", load_own_variables)):
+    for name, method in (("build", build), ("apply", apply), ("finalize_variable_values", finalize_variable_values),
+                         ("save_own_variables", save_own_variables), ("load_own_variables", load_own_variables)):
         object.__setattr__(optimizer, name, method)
     _sharded_optimizers.add(optimizer)
 
@@ -525,7 +533,7 @@ def _patch_step_outputs():
         hooks = _strategy_hooks(strategy)
         if hooks is None:
             return original(values, strategy, reduction)
-        return hooks.reduce_step_outputs(values, reduction)
+        return hooks.reduce_step_outputs(values, reduction, training=getattr(_state, "step_kind", "train") == "train")
 
     reduce_per_replica._tfdp_original = original
     tf_trainer.reduce_per_replica = reduce_per_replica
@@ -682,11 +690,15 @@ def _patch_step_function(kind):
         function = self._make_function(hooked_step)
 
         def explained_function(iterator):
+            # The step is traced inside this call: its output reduction learns its kind.
+            outer, _state.step_kind = getattr(_state, "step_kind", None), kind
             try:
                 return function(iterator)
             except tf.errors.OpError as error:
                 hooks.step_failed(error)
                 raise
+            finally:
+                _state.step_kind = outer
 
         setattr(self, attribute, explained_function)
         return explained_function

@@ -100,8 +100,11 @@ class LocalSGD(GradientReducer):
 
     def after_update(self, variables):
         """Count the update; average every H local steps."""
-        if self._variables is None:
-            self._variables = list(variables)
+        variables = list(variables)
+        if self._variables is None or [variable_key(v) for v in variables] != [variable_key(v) for v in self._variables]:
+            # The first step, or a model compiled again with other trainable variables
+            # (layers frozen): `settle` averaged everything when the last fit ended.
+            self._variables = variables
             for var in self._variables:  # Created here, in this order, on every rank.
                 self._anchor(var)
                 if self.outer_momentum:

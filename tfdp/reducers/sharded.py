@@ -29,6 +29,7 @@ optimizers and variables otherwise.
 """
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -288,6 +289,7 @@ class ShardedOptimizerState(GradientReducer):
                                  "for; a sharded optimizer updates the model it was built with.")
             full[index[variable_key(v)]] = g
         self.communicator.stats.count_step(full)
+        _warn_if_duplicate_rows_change_the_update(full, optimizer)
         if size > 1:
             self.communicator.stats.add("rounds", 2)
         dtype = s.model_variables[0].dtype
@@ -311,11 +313,17 @@ class ShardedOptimizerState(GradientReducer):
             optimizer.iterations.assign_add(1)
         self._write_back(s, [i for i, g in enumerate(full) if g is not None])
 
-    def _write_back(self, s, updated):
+    def overwrite_with_averages(self, optimizer):
+        """`use_ema`: set the model's variables to the optimizer's moving averages. Each rank
+        holds the averages of its own shards; they are all-gathered as the shards are after a step."""
+        s = self._shards_of(optimizer)
+        self._write_back(s, range(len(s.model_variables)), _inner(optimizer)._model_variables_moving_average)
+
+    def _write_back(self, s, updated, sources=None):
         plan = s.plan
         used = sum(p.size for p in s.pieces)
         dtype = s.model_variables[0].dtype
-        row = tf.concat([tf.reshape(shard, [-1]) for shard in s.shards] +
+        row = tf.concat([tf.reshape(shard, [-1]) for shard in (s.shards if sources is None else sources)] +
                         [tf.zeros([plan.row_length - used], dtype)], 0)
         entries = plan.entries(self.communicator.allgather_many([row])[0])
         pairs = []
@@ -432,6 +440,16 @@ class ShardedOptimizerState(GradientReducer):
 
     def stats(self):
         return {"max_staleness": 0}
+
+
+def _warn_if_duplicate_rows_change_the_update(grads, optimizer):
+    # Runs when the step is traced: once per fit, not per step.
+    if any(isinstance(g, tf.IndexedSlices) for g in grads) and not optimizer_view(optimizer).linear_in_slices:
+        warnings.warn(
+            f"tfdp: shard_optimizer_state updates an embedding's gradient as a dense tensor, so rows a batch "
+            f"repeats are summed before {type(_inner(optimizer)).__name__} sees them; Keras 3 on one process "
+            "(and tfdp.MirroredStrategy) applies each repeated row on its own. The results differ for "
+            "repeated rows; use tfdp.MirroredStrategy() where they must match one process.", stacklevel=2)
 
 
 def _inner(optimizer):

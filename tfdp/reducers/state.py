@@ -31,6 +31,8 @@ import tensorflow as tf
 
 from tfdp._compat.tensorflow import local_variable
 
+_OPTIMIZER_PREFIX = "optimizer/"
+
 _META = "tfdp_meta"
 
 
@@ -50,6 +52,7 @@ class ReducerState:
         self._entries = {}
         self._pending = []  # loaded (label, value) waiting for their entry, in saved order
         self._snapshot = None  # {key: [workers, ...] array} from the last `snapshot`
+        self._captured = None  # weak reference to the optimizer `capture` last copied
 
     def variable(self, key, initial_value, per_rank=False):
         """Return the variable named `key`, creating it from `initial_value` (a callable) once.
@@ -80,13 +83,19 @@ class ReducerState:
 
     def capture(self, optimizer):
         """Copy `optimizer`'s variables into per-rank entries (for reducers where they differ by rank)."""
+        if self._captured is not None and self._captured() is not optimizer:
+            # The model was compiled again (layers frozen, say): the new optimizer's
+            # variables replace the old one's, whose shapes they need not have.
+            for key in [k for k in self._entries if k.startswith(_OPTIMIZER_PREFIX)]:
+                del self._entries[key]
+        self._captured = weakref.ref(optimizer)
         for index, variable in enumerate(optimizer.variables):
-            self.variable(f"optimizer/{index}", lambda v=variable: tf.identity(v), per_rank=True).assign(variable)
+            self.variable(f"{_OPTIMIZER_PREFIX}{index}", lambda v=variable: tf.identity(v), per_rank=True).assign(variable)
 
     def restore(self, optimizer):
         """Give `optimizer`'s variables this rank's values loaded by `load` (after Keras loaded rank 0's)."""
         for index, variable in enumerate(optimizer.variables):
-            key = f"optimizer/{index}"
+            key = f"{_OPTIMIZER_PREFIX}{index}"
             # By name only: a checkpoint without per-rank optimizer state (gradient compression,
             # say) must not hand its other entries to the optimizer by position.
             if key in self._entries or any(label == key for label, _ in self._pending):

@@ -14,6 +14,7 @@ from tfdp._compat.tensorflow import global_seed, local_variable
 from tfdp.comm import HorovodCommunicator
 from tfdp.strategies import output
 from tfdp.strategies.balance import Balancer, Rebalance, check_balance
+from tfdp.strategies.epoch_logs import GlobalEpochLogs
 from tfdp.strategies.extended import HorovodExtended
 from tfdp.strategies.settle import SettleState
 from tfdp.strategies.watchdog import StepWatchdog, lost_hosts, timeout_from_env
@@ -127,6 +128,8 @@ class HorovodStrategy(tf.distribute.Strategy):
     def training_callbacks(self, model=None, callbacks=()):
         """Callbacks tfdp adds (first, on every rank) to `fit`, `evaluate` and `predict`."""
         extra = [SettleState(self, callbacks)]
+        if not self.extended.global_step_logs and self.extended.communicator.size > 1:
+            extra.append(GlobalEpochLogs(self.extended.communicator))
         if self.extended.balancer is not None and self.extended.balancer.auto:
             extra.append(Rebalance(self.extended.balancer))
         if self.extended.communicator.size > 1:

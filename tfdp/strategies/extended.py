@@ -248,8 +248,11 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         return value
 
     # -- StrategyHooks ------------------------------------------------------------
-    def reduce_step_outputs(self, values, reduction):
+    def reduce_step_outputs(self, values, reduction, training=True):
         """Make Keras step outputs global: predictions gathered in order, numbers averaged.
+
+        ``global_step_logs=False`` leaves a training step's outputs this rank's; test steps
+        are always global (an evaluation holds no worker back, and `evaluate` returns them).
 
         Tensors are reduced across ranks (floats averaged or summed, integers summed and,
         for a mean, divided with truncation as `tf.reduce_mean` does); Python numbers and
@@ -259,7 +262,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             return values
         if reduction == "concat":
             return tf.nest.map_structure(self._gather_rows, values)
-        if reduction == "first" or not self.global_step_logs:
+        if reduction == "first" or (training and not self.global_step_logs):
             return values
         op = "sum" if reduction == "sum" else "average"
         flat = tf.nest.flatten(values)

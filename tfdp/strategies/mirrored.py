@@ -23,8 +23,9 @@ class MirroredStrategy(HorovodStrategy):
         global_step_logs: make every batch's logs (progress bar, batch-level
             callbacks) global, at the cost of one small all-reduce per step
             (3-9% of a step in ``benchmarks/sync_vs_horovod_vs_mwms.py``). With
-            False, batch logs are this rank's running values; epoch logs,
-            ``History`` and ``evaluate`` are global either way. Keep True when a
+            False, a training step's batch logs are this rank's running values;
+            epoch logs, ``History``, ``evaluate`` and ``test_on_batch`` are global
+            either way (custom steps' own values too). Keep True when a
             batch-level callback can stop training (TerminateOnNaN): every rank
             must stop at the same step.
         skip_nonfinite: skip the update on every rank together when any rank's
