@@ -283,3 +283,27 @@ def test_every_program_runs_under_the_preset_with_both_ranks_identical(results, 
             if (bound is None and off > TOLERANCES.get(name, RTOL)) or (bound is not None and off < bound):
                 problems.append(f"{name}: {off:.2e} from one process")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.full
+def test_every_program_matches_one_process_on_three_workers(tmp_path, results):
+    """3 workers: no global batch of the programs splits evenly (32 rows: 11/11/10), so every
+    log and step output must be weighted by each rank's rows (before that fix
+    `on_batch_methods` was 1.3e-2 from one process)."""
+    run = run_workers(RUNNER, 3, ["--modes", "tfdp", "--out", tmp_path], timeout=900)
+    assert_ok(run)
+    ranks = [json.loads((tmp_path / f"tfdp-rank{r}.json").read_text()) for r in range(3)]
+    problems = []
+    for name, (_, reference_mode) in PROGRAMS.items():
+        ours = ranks[0][name]
+        if "error" in ours:
+            problems.append(f"{name}: {ours['error'][:300]}")
+            continue
+        across = max(relative_difference(r[name], ours, across_ranks=True) for r in ranks[1:])
+        if across != 0.0:
+            problems.append(f"{name}: the ranks differ by {across:.2e}")
+        if reference_mode == "plain":
+            off = relative_difference(ours, results["plain-rank0"][name])
+            if off > TOLERANCES.get(name, RTOL):
+                problems.append(f"{name}: {off:.2e} from one process")
+    assert not problems, "\n".join(problems)

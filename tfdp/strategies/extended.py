@@ -76,6 +76,9 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         self._size = communicator.size
         # Orders each step's output reduction after the previous step's (see reduce_step_outputs).
         self._outputs_fence = local_variable(tf.constant(0, tf.int64), "tfdp_step_outputs_fence")
+        # This rank's rows since Keras last reset its metrics: step logs are running means over them.
+        self._rows_since_reset = (balancer.epoch_rows if balancer is not None else
+                                  local_variable(tf.constant(0, tf.int64), "tfdp_rows_since_metrics_reset"))
         super().__init__(container_strategy, devices=[replica_device()])
 
     @property
@@ -268,14 +271,15 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         flat = tf.nest.flatten(values)
         floats = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_floating]
         ints = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_integer]
-        if self.balancer is not None and op == "average" and floats:
-            return self._rows_weighted_average(values, flat, floats)
         # With steps_per_execution > 1 Keras runs steps in a tf.while_loop. Nothing orders
         # one step's output all-reduce after the previous step's (the gradient exchange is
         # ordered by the variable updates), and Horovod refuses a collective whose name is
         # still in flight. Reading the fence before and bumping it after chains them.
         with tf.control_dependencies([self._outputs_fence.read_value()]):
-            reduced = self.communicator.allreduce([tf.identity(flat[i]) for i in floats], op=op)
+            if op == "average" and floats:
+                reduced = self._rows_weighted_average([flat[i] for i in floats])
+            else:
+                reduced = self.communicator.allreduce([tf.identity(flat[i]) for i in floats], op=op)
             summed = self.communicator.allreduce([tf.identity(flat[i]) for i in ints], op="sum")
         with tf.control_dependencies(reduced + summed):
             self._outputs_fence.assign_add(1)
@@ -285,18 +289,14 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             flat[i] = tf.math.truncatediv(r, tf.cast(self._size, r.dtype)) if op == "average" else r
         return tf.nest.pack_sequence_as(values, flat)
 
-    def _rows_weighted_average(self, values, flat, floats):
-        """Step logs under uneven shares: each rank's running means weighted by its rows of the epoch."""
-        rows = tf.cast(self.balancer.epoch_rows.read_value(), tf.float32)
-        with tf.control_dependencies([self._outputs_fence.read_value()]):
-            summed = self.communicator.allreduce(
-                [tf.cast(flat[i], tf.float32) * rows for i in floats] + [tf.reshape(rows, [])], op="sum")
-        with tf.control_dependencies(summed):
-            self._outputs_fence.assign_add(1)
+    def _rows_weighted_average(self, means):
+        """Each rank's running means weighted by its rows since the metrics were reset: the
+        global means when the ranks' rows differ (a global batch that does not split evenly,
+        `balance`), the plain average when they do not."""
+        rows = tf.cast(self._rows_since_reset.read_value(), tf.float32)
+        summed = self.communicator.allreduce([tf.cast(m, tf.float32) * rows for m in means] + [rows], op="sum")
         *summed, total = summed
-        for i, value in zip(floats, summed):
-            flat[i] = tf.cast(tf.math.divide_no_nan(value, total), flat[i].dtype)
-        return tf.nest.pack_sequence_as(values, flat)
+        return [tf.cast(tf.math.divide_no_nan(value, total), m.dtype) for value, m in zip(summed, means)]
 
     def check_batch_size(self, batch_size):
         if batch_size is not None and batch_size < self._size:
@@ -353,13 +353,17 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         rows = num_rows(first)
         if self.balancer is not None:
             data = self.balancer.step_started(data, rows)
+        else:
+            self._rows_since_reset.assign_add(tf.cast(rows, tf.int64))
         with rows_of_this_step(rows, even_likely=self.balancer is None):
             yield data
 
     def evaluation_step(self, data):
+        first = next(t for t in tf.nest.flatten(data) if t is not None)
         if self.balancer is not None:
-            first = next(t for t in tf.nest.flatten(data) if t is not None)
             self.balancer.step_started(data, num_rows(first), timed=False)
+        else:
+            self._rows_since_reset.assign_add(tf.cast(num_rows(first), tf.int64))
         return contextlib.nullcontext(data)
 
     def gradients_ready(self, grads):
@@ -368,8 +372,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         return self.balancer.gradients_ready(grads)
 
     def metrics_reset(self):
-        if self.balancer is not None:
-            self.balancer.epoch_rows.assign(0)
+        self._rows_since_reset.assign(0)
 
     def split_batch(self, structure):
         if self._size == 1 or structure is None:
