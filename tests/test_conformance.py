@@ -238,6 +238,12 @@ ZERO1_DIFFERS = {"embedding_sparse_gradients": 0.1}
 PER_RANK_UNDER_LOCAL_STEP_LOGS = {"on_batch_methods": ["train_losses"]}
 
 
+def ranks_differ(name, ours, others):
+    """[a problem line] when any other rank's numbers differ from rank 0's (`ours`), else []."""
+    across = max(relative_difference(other, ours, across_ranks=True) for other in others)
+    return [f"{name}: the ranks differ by {across:.2e}"] if across != 0.0 else []
+
+
 @pytest.fixture(scope="module")
 def preset_results(tmp_path_factory):
     cache = {}
@@ -274,9 +280,7 @@ def test_every_program_runs_under_the_preset_with_both_ranks_identical(results, 
         if local_step_logs:
             ours, other = ({k: v for k, v in r.items() if k not in PER_RANK_UNDER_LOCAL_STEP_LOGS.get(name, [])}
                            for r in (ours, other))
-        across = relative_difference(other, ours, across_ranks=True)
-        if across != 0.0:
-            problems.append(f"{name}: the ranks differ by {across:.2e}")
+        problems += ranks_differ(name, ours, [other])
         if preset == "zero1" and reference_mode == "plain":
             off = relative_difference(ours, results["plain-rank0"][name])
             bound = ZERO1_DIFFERS.get(name)
@@ -299,9 +303,7 @@ def test_every_program_matches_one_process_on_three_workers(tmp_path, results):
         if "error" in ours:
             problems.append(f"{name}: {ours['error'][:300]}")
             continue
-        across = max(relative_difference(r[name], ours, across_ranks=True) for r in ranks[1:])
-        if across != 0.0:
-            problems.append(f"{name}: the ranks differ by {across:.2e}")
+        problems += ranks_differ(name, ours, [r[name] for r in ranks[1:]])
         if reference_mode == "plain":
             off = relative_difference(ours, results["plain-rank0"][name])
             if off > TOLERANCES.get(name, RTOL):

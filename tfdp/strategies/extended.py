@@ -349,22 +349,20 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
 
     @contextlib.contextmanager
     def training_step(self, data):
-        first = next(t for t in tf.nest.flatten(data) if t is not None)
-        rows = num_rows(first)
-        if self.balancer is not None:
-            data = self.balancer.step_started(data, rows)
-        else:
-            self._rows_since_reset.assign_add(tf.cast(rows, tf.int64))
+        rows = _rows_of(data)
+        data = self._step_started(data, rows)
         with rows_of_this_step(rows, even_likely=self.balancer is None):
             yield data
 
     def evaluation_step(self, data):
-        first = next(t for t in tf.nest.flatten(data) if t is not None)
+        return contextlib.nullcontext(self._step_started(data, _rows_of(data), timed=False))
+
+    def _step_started(self, data, rows, timed=True):
+        """Count this rank's rows for the step logs (the balancer counts them itself)."""
         if self.balancer is not None:
-            self.balancer.step_started(data, num_rows(first), timed=False)
-        else:
-            self._rows_since_reset.assign_add(tf.cast(num_rows(first), tf.int64))
-        return contextlib.nullcontext(data)
+            return self.balancer.step_started(data, rows, timed=timed)
+        self._rows_since_reset.assign_add(tf.cast(rows, tf.int64))
+        return data
 
     def gradients_ready(self, grads):
         if self.balancer is None:
@@ -406,3 +404,6 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
     def should_save_summary(self):
         return self.is_chief
 
+
+def _rows_of(data):
+    return num_rows(next(t for t in tf.nest.flatten(data) if t is not None))
