@@ -105,6 +105,7 @@ def train_adam_on_fake_ranks(make_reducer):
         w = tf.Variable(tf.zeros([64, 8]), name="w")
         reducer = make_reducer(comm)
         for grad in gradients(10 + comm.rank, (64, 8)):
+            reducer.before_update([w], optimizer)
             optimizer.apply(reducer.reduce([grad], [w], optimizer), [w])
             reducer.after_update([w])
         return w.numpy(), reducer.compresses_updates

@@ -51,7 +51,8 @@ def default_candidates():
 
 # The bandwidth probe: the model's gradients, but at least 1 MB (below that latency dominates).
 PROBE_BYTES = (1 << 20, 8 << 20)
-_REDUCER_OPTIONS = ("compressor", "error_feedback", "warmup_steps", "min_compress_bytes", "momentum_correction")
+_REDUCER_OPTIONS = ("compressor", "error_feedback", "warmup_steps", "min_compress_bytes", "momentum_correction",
+                    "local_residual")
 
 
 def reducer_factory(preset, warmup=True):
@@ -70,7 +71,8 @@ def reducer_factory(preset, warmup=True):
         options.get("compressor", "fp16"), options.get("error_feedback", True),
         options.get("warmup_steps", 0) if warmup else 0, options.get("min_compress_bytes", DEFAULT_MIN_COMPRESS_BYTES),
         op="sum",
-        momentum_correction=options.get("momentum_correction", "auto"))
+        momentum_correction=options.get("momentum_correction", "auto"),
+        local_residual=options.get("local_residual", False))
 
 
 def pick(shapes, workers, step_seconds, probe_bytes, probe_seconds, latency_seconds, compressor_seconds,

@@ -623,6 +623,20 @@ def loss_scale_optimizer(make_strategy):
 
 
 @program()
+def loss_scale_overflow_in_some_rows(make_strategy):
+    # The second global batch of each epoch has 16 huge rows (on 2 workers: all of rank 1's):
+    # the scaled loss overflows there, so the loss-scaling optimizer skips that step and halves
+    # its scale. One process sees the whole batch; every worker must skip with it.
+    x, y = regression()
+    x[GLOBAL_BATCH + GLOBAL_BATCH // 2:2 * GLOBAL_BATCH] *= 1e5
+    model, history = fit_mlp(make_strategy, x, y, lambda: {
+        "optimizer": keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0 ** 100)},
+        model_fn=lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)]))  # linear: no saturation
+    return result(model, history, loss_scale=float(model.optimizer.dynamic_scale.numpy()),
+                  iterations=int(model.optimizer.iterations.numpy()))
+
+
+@program()
 def steps_per_execution(make_strategy):
     x, y = regression(n=160)
     model, history = fit_mlp(make_strategy, x, y, lambda: {"steps_per_execution": 3, "metrics": ["mae"]})

@@ -1,10 +1,10 @@
-"""AsyncStrategy under horovodrun: delayed-gradient semantics, the staleness bound, local SGD.
+"""AsyncStrategy under horovodrun: delayed averaging, stale gradients, the staleness bound, local SGD.
 
 Every case fits a small MLP with plain SGD on fixed data (no shuffle) and records the
 weights, the stats and a timestamp after every batch. Rank 0 also computes a
 single-process reference of the same algorithm with plain TensorFlow (no strategy):
-delayed full-batch gradients for staleness, per-worker local steps plus averaging for
-local SGD.
+per-worker steps swapped for their average s steps later for delayed averaging, delayed
+full-batch gradients for stale gradients, per-worker local steps plus averaging for local SGD.
 """
 
 import argparse
@@ -93,17 +93,51 @@ def reference_stale(staleness):
     return [w.tolist() for w in model.get_weights()]
 
 
+def own_step(model, x, y, rank, t, workers):
+    """Worker `rank`'s SGD step on its half of global batch t (a full step on its rows)."""
+    per_worker = BATCH // workers
+    start = t * BATCH + rank * per_worker
+    grads = gradient(model, x[start:start + per_worker], y[start:start + per_worker])
+    steps = [-LR * g for g in grads]
+    for v, step in zip(model.trainable_variables, steps):
+        v.assign_add(step)
+    return steps
+
+
+def reference_delayed_averaging(staleness, workers=2):
+    """Each worker takes its own step; s steps later the workers' average replaces it; fit's end
+    swaps in what is in flight and averages the models."""
+    x, y = data()
+    replicas = [mlp() for _ in range(workers)]
+    own = [[] for _ in range(workers)]
+
+    def swap_oldest():
+        oldest = [steps.pop(0) for steps in own]
+        for model, mine in zip(replicas, oldest):
+            for i, v in enumerate(model.trainable_variables):
+                v.assign_add(tf.add_n([steps[i] for steps in oldest]) / workers - mine[i])
+
+    for t in range(STEPS):
+        for r, model in enumerate(replicas):
+            own[r].append(own_step(model, x, y, r, t, workers))
+        if t >= staleness:
+            swap_oldest()
+    while own[0]:
+        swap_oldest()
+    for vs in zip(*(m.trainable_variables for m in replicas)):
+        mean = tf.add_n([tf.convert_to_tensor(v) for v in vs]) / workers
+        for v in vs:
+            v.assign(mean)
+    return [w.tolist() for w in replicas[0].get_weights()]
+
+
 def reference_local(sync_every, workers=2):
     """Each worker steps on its half of every global batch; weights averaged every H steps."""
     x, y = data()
     replicas = [mlp() for _ in range(workers)]
-    per_worker = BATCH // workers
     for t in range(STEPS):
         for r, model in enumerate(replicas):
-            start = t * BATCH + r * per_worker
-            grads = gradient(model, x[start:start + per_worker], y[start:start + per_worker])
-            for v, g in zip(model.trainable_variables, grads):
-                v.assign_sub(LR * g)
+            own_step(model, x, y, r, t, workers)
         if (t + 1) % sync_every == 0 or t == STEPS - 1:
             for vs in zip(*(m.trainable_variables for m in replicas)):
                 mean = tf.add_n([tf.convert_to_tensor(v) for v in vs]) / workers
@@ -117,6 +151,9 @@ CASES = {
     "s0": lambda: fit(tfdp.AsyncStrategy(staleness=0)),
     "s1": lambda: fit(tfdp.AsyncStrategy(staleness=1), save_to=OUT / "s1.keras"),
     "s2": lambda: fit(tfdp.AsyncStrategy(staleness=2)),
+    "stale-s0": lambda: fit(tfdp.AsyncStrategy(staleness=0, method="stale_gradients")),
+    "stale-s1": lambda: fit(tfdp.AsyncStrategy(staleness=1, method="stale_gradients")),
+    "stale-s2": lambda: fit(tfdp.AsyncStrategy(staleness=2, method="stale_gradients")),
     "h4": lambda: fit(tfdp.AsyncStrategy(sync_every=4), save_to=OUT / "h4.keras"),
     "h5": lambda: fit(tfdp.AsyncStrategy(sync_every=5)),
     # Rank 1 sleeps 0.15 s before each step: how far may rank 0 run ahead?
@@ -125,9 +162,12 @@ CASES = {
     "slow-s4": lambda: fit(tfdp.AsyncStrategy(staleness=4), delay=0.15 * tfdp.rank()),
 }
 REFERENCES = {
-    "ref-s0": lambda: reference_stale(0),
-    "ref-s1": lambda: reference_stale(1),
-    "ref-s2": lambda: reference_stale(2),
+    "ref-s0": lambda: reference_delayed_averaging(0),
+    "ref-s1": lambda: reference_delayed_averaging(1),
+    "ref-s2": lambda: reference_delayed_averaging(2),
+    "ref-stale-s0": lambda: reference_stale(0),
+    "ref-stale-s1": lambda: reference_stale(1),
+    "ref-stale-s2": lambda: reference_stale(2),
     "ref-h4": lambda: reference_local(4),
     "ref-h5": lambda: reference_local(5),
 }

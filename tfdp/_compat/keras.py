@@ -5,8 +5,9 @@ Keras really calls each hook (a spy, not an attribute check). `install()` is ide
 
 The hooks ask two things of the objects they meet, both declared here rather than
 discovered: a tfdp strategy's ``extended`` implements `StrategyHooks`, and a gradient
-reducer implements ``reduce``, ``after_update``, ``saveable``, ``supports_accumulation``,
-``description`` and ``shards_optimizer_state`` (the protocol of
+reducer implements ``reduce``, ``before_update``, ``after_update``, ``saveable``,
+``supports_accumulation``, ``optimizer_state_per_rank``, ``communicator``, ``description`` and
+``shards_optimizer_state`` (the protocol of
 `tfdp.reducers.GradientReducer`; a reducer that shards also implements ``check_optimizer``,
 ``build_sharded``, ``apply_sharded``, ``model_variables``, ``save_sharded`` and ``load_sharded``).
 """
@@ -89,6 +90,10 @@ class StrategyHooks(abc.ABC):
 
     def metrics_reset(self):
         """Keras reset the model's metrics (start of an epoch, of evaluate)."""
+
+    def before_inference(self, model):
+        """`evaluate`, `predict`, `test_on_batch` or `predict_on_batch` starts outside `fit` (on every
+        rank): make the workers' models one model, if they may differ."""
 
 
 INFINITE, UNKNOWN = -1, -2  # tf.data's cardinality codes
@@ -195,11 +200,30 @@ def _reduce_before_apply(method):
             return method(self, grads, trainable_variables)
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         grads = _reduce(reducer, grads, variables, self)
+        if reducer.optimizer_state_per_rank:
+            grads = _non_finite_anywhere_is_non_finite_everywhere(reducer.communicator, grads)
         with gradients_reduced():
             return method(self, grads, trainable_variables)
 
     wrapper._tfdp_original = method
     return wrapper
+
+
+def _non_finite_anywhere_is_non_finite_everywhere(communicator, grads):
+    """Workers that step on their own gradients: make one rank's overflow every rank's.
+
+    A loss-scaling optimizer skips a step whose gradients are not finite. Here each rank
+    decides from its own gradients, and a rank that skipped would miss the exchange the
+    others run after the update; one small all-reduce makes the decision global.
+    """
+    import tensorflow as tf
+
+    present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+    if communicator.size == 1 or not present:
+        return grads
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in present])
+    everywhere = communicator.allreduce([tf.reshape(tf.cast(finite, tf.float32), [1])], op="min")[0][0] > 0
+    return [g if g is None else tf.where(everywhere, g, tf.constant(float("nan"), g.dtype)) for g in grads]
 
 
 def _update_unless_nonfinite(method, optimizer, grads, trainable_variables, counter):
@@ -235,7 +259,9 @@ def _around_update(method):
     """Wrap `_backend_apply_gradients(self, grads, variables)`, which runs one update.
 
     Makes the variables known to the reduction inside `_clip_gradients`, skips non-finite
-    updates when the strategy asks to, and tells the reducer the update ran.
+    updates when the strategy asks to, and tells the reducer before and after the update
+    (under gradient accumulation, whether the call applied the accumulated gradients: Keras's
+    own test, from the iteration count `apply` bumps after this method).
     """
 
     @functools.wraps(method)
@@ -249,6 +275,11 @@ def _around_update(method):
         counter = None if hooks is None else hooks.skipped_steps
         previous = getattr(_state, "variables", None)
         _state.variables = trainable_variables
+        updated = None
+        if reducer is not None:
+            if self.gradient_accumulation_steps:
+                updated = (self._iterations + 1) % self.gradient_accumulation_steps == 0
+            reducer.before_update(trainable_variables, self)
         try:
             if counter is not None:
                 result = _update_unless_nonfinite(method, self, grads, trainable_variables, counter)
@@ -257,7 +288,7 @@ def _around_update(method):
         finally:
             _state.variables = previous
         if reducer is not None:
-            reducer.after_update(trainable_variables)
+            reducer.after_update(trainable_variables, updated=updated)
         return result
 
     wrapper._tfdp_original = method
@@ -644,9 +675,10 @@ def checkpoint_callbacks(callbacks):
     return [c for c in callbacks or [] if isinstance(c, (ModelCheckpoint, BackupAndRestore))]
 
 
-def _split_on_batch_inputs(method, names):
+def _split_on_batch_inputs(method, names, inference):
     """Wrap `train_on_batch`/`test_on_batch`/`predict_on_batch`: each rank takes its rows of
-    the global batch, as `fit` does (Keras hands every replica the whole batch)."""
+    the global batch, as `fit` does (Keras hands every replica the whole batch); `inference`:
+    the workers' models are made one first, as for `evaluate` and `predict`."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -657,6 +689,8 @@ def _split_on_batch_inputs(method, names):
         for name in names:
             if name in bound:
                 bound[name] = hooks.split_batch(bound[name])
+        if inference:
+            hooks.before_inference(self)
         return method(self, **bound)
 
     wrapper._tfdp_original = method
@@ -732,9 +766,10 @@ def _patch_on_batch():
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     trainer = tf_trainer.TensorFlowTrainer
-    for method, names in (("train_on_batch", ("x", "y", "sample_weight")),
-                          ("test_on_batch", ("x", "y", "sample_weight")), ("predict_on_batch", ("x",))):
-        setattr(trainer, method, _split_on_batch_inputs(getattr(trainer, method), names))
+    for method, names, inference in (("train_on_batch", ("x", "y", "sample_weight"), False),
+                                     ("test_on_batch", ("x", "y", "sample_weight"), True),
+                                     ("predict_on_batch", ("x",), True)):
+        setattr(trainer, method, _split_on_batch_inputs(getattr(trainer, method), names, inference))
 
 
 def _patch_callbacks():

@@ -7,9 +7,12 @@ tfdp's Keras hooks call exactly these, on every reducer, never probing for other
   gradients; returns the gradients every worker applies, in the optimizer's terms (a
   reducer may steer the optimizer's momentum, see `tfdp.reducers.optimizer_view`);
 - ``replaces_clipping(optimizer)``: the reducer clipped locally, Keras must not clip again;
-- ``after_update(variables)`` after the update;
-- ``settle(apply_gradients)`` at the end of `fit` and before a checkpoint is written:
-  finish what is in flight (apply stale gradients, average local models);
+- ``before_update(variables, optimizer)`` and ``after_update(variables, updated)`` around
+  every optimizer update (``updated``: under gradient accumulation, whether this call
+  applied the accumulated gradients; None otherwise);
+- ``settle(apply_gradients)`` at the end of `fit`, before a checkpoint is written and before
+  `evaluate` or `predict` outside `fit` when ``unsettled()``: finish what is in flight (apply
+  stale gradients, average the workers' models);
 - ``state``, a `ReducerState` saved and restored with the optimizer (``saveable()``
   is the Keras object that carries it);
 - ``stats()``, statistics beyond the communicator's counters.
@@ -109,7 +112,8 @@ class GradientReducer(abc.ABC):
     supports_accumulation = True
     #: How error messages name this exchange.
     description = "gradient exchange"
-    #: Workers' optimizer states differ (they step on their own gradients): checkpoints keep every rank's.
+    #: Workers step on their own gradients, so their optimizer states differ (checkpoints keep every
+    #: rank's) and a loss-scaling optimizer's skip of a non-finite step must be agreed by all ranks.
     optimizer_state_per_rank = False
     #: Weight gradients by rows inside Keras training steps (see the module docstring).
     weights_rows = True
@@ -215,8 +219,22 @@ class GradientReducer(abc.ABC):
             return []
         return exchange_slices(self.communicator, slices, self.op, merge_duplicates=opt.linear_in_slices)
 
-    def after_update(self, variables):
-        """Called after every optimizer update with the updated variables."""
+    def before_update(self, variables, optimizer=None):
+        """Called before every optimizer update (outside any branch Keras takes inside it)."""
+
+    def after_update(self, variables, updated=None):
+        """Called after every optimizer update with the updated variables.
+
+        `updated` is None, or under gradient accumulation a boolean tensor: whether this call
+        applied the accumulated gradients (False: it only accumulated them).
+        """
+
+    def unsettled(self):
+        """Whether `settle` has work: the workers' models may differ, or updates are in flight.
+
+        The same answer on every rank (it depends on the steps taken, which every rank takes).
+        """
+        return False
 
     def settle(self, apply_gradients, optimizer=None):
         """Finish in-flight work so that every rank holds the same, complete model.

@@ -31,7 +31,6 @@ class LocalSGD(GradientReducer):
     """
 
     rounds_per_step = 0  # Rounds are counted where they happen: sync steps and averages.
-    supports_accumulation = False
     description = "local SGD (AsyncStrategy)"
     optimizer_state_per_rank = True
 
@@ -98,8 +97,9 @@ class LocalSGD(GradientReducer):
             self._anchor(var).assign(var)
         return tf.constant(True)
 
-    def after_update(self, variables):
-        """Count the update; average every H local steps."""
+    def after_update(self, variables, updated=None):
+        """Count the update; average every H local steps (under gradient accumulation, count
+        only the calls that applied the accumulated gradients)."""
         variables = list(variables)
         if self._variables is None or [variable_key(v) for v in variables] != [variable_key(v) for v in self._variables]:
             # The first step, or a model compiled again with other trainable variables
@@ -109,17 +109,27 @@ class LocalSGD(GradientReducer):
                 self._anchor(var)
                 if self.outer_momentum:
                     self._momentum(var)
+        if updated is None:
+            self._count_update()
+        else:
+            tf.cond(updated, self._count_update, lambda: tf.constant(False))
+
+    def _count_update(self):
         self._step.assign_add(1)
         if self.communicator.size == 1:
-            return
+            return tf.constant(True)
         local_phase = self._step > self.warmup_steps
         since = self._since_sync.assign_add(tf.cast(local_phase, tf.int64))
         tf.cond(local_phase & (since >= self.sync_every), self._average, lambda: tf.constant(False))
         if self.warmup_steps:
             # Synchronous steps keep the anchor at the shared weights.
             tf.cond(local_phase, lambda: tf.constant(False), self._reset_anchors)
+        return tf.constant(True)
+
+    def unsettled(self):
+        return self.communicator.size > 1 and self._variables is not None and int(self._since_sync.numpy()) > 0
 
     def settle(self, apply_gradients=None, optimizer=None):
         """Average the models if any local step happened since the last average."""
-        if self.communicator.size > 1 and self._variables is not None and int(self._since_sync.numpy()) > 0:
+        if self.unsettled():
             self._average()

@@ -105,6 +105,15 @@ class ExchangePipeline:
         self._applied += 1
         return self._wait_for(index), self._submitted - 1 - index
 
+    @property
+    def submitted(self):
+        """Exchanges submitted so far."""
+        return self._submitted
+
+    def in_flight(self):
+        """Submitted exchanges not yet applied."""
+        return self._submitted - self._applied
+
     def drain(self):
         """Wait for every submitted exchange; return the summed gradients not yet applied."""
         remaining = []
@@ -202,9 +211,12 @@ class StaleGradients(GradientReducer):
             steered.append(grad)
         return steered
 
-    def after_update(self, variables):
+    def after_update(self, variables, updated=None):
         """Remember the variables the gradients belong to (for `settle`)."""
         self._variables = list(variables)
+
+    def unsettled(self):
+        return self.pipeline.in_flight() > 0
 
     def settle(self, apply_gradients, optimizer=None):
         """Apply the summed gradients still in flight, in order."""

@@ -69,8 +69,14 @@ class SwitchingReducer(GradientReducer):
     def replaces_clipping(self, optimizer):
         return self.current.replaces_clipping(optimizer)
 
-    def after_update(self, variables):
-        self.current.after_update(variables)
+    def before_update(self, variables, optimizer=None):
+        self.current.before_update(variables, optimizer)
+
+    def after_update(self, variables, updated=None):
+        self.current.after_update(variables, updated)
+
+    def unsettled(self):
+        return self.current.unsettled()
 
     def settle(self, apply_gradients, optimizer=None):
         self.current.settle(apply_gradients, optimizer)

@@ -151,15 +151,25 @@ class HorovodStrategy(tf.distribute.Strategy):
         callbacks write and at the end of `fit`.
         """
 
+        reducer = self.gradient_reducer
+        self._finish_in_flight(optimizer)
+        if reducer.optimizer_state_per_rank and optimizer.built:
+            reducer.state.capture(optimizer)
+        reducer.state.snapshot()
+
+    def settle_before_inference(self, model):
+        """Outside `fit`, before `evaluate`/`predict` (and their `*_on_batch`): where the workers'
+        models may differ (steps taken with `train_on_batch` under an asynchronous or local-residual
+        preset), make them one. A collective, run on every rank; the same decision on each."""
+        if model.optimizer is not None and self.gradient_reducer.unsettled():
+            self._finish_in_flight(model.optimizer)
+
+    def _finish_in_flight(self, optimizer):
         def apply_gradients(grads, variables):
             with gradients_reduced():
                 self.run(optimizer.apply, args=(grads, variables))
 
-        reducer = self.gradient_reducer
-        reducer.settle(apply_gradients, optimizer)
-        if reducer.optimizer_state_per_rank and optimizer.built:
-            reducer.state.capture(optimizer)
-        reducer.state.snapshot()
+        self.gradient_reducer.settle(apply_gradients, optimizer)
 
     def skipped_steps(self):
         """Steps skipped on every rank because a reduced gradient was not finite (``skip_nonfinite``)."""

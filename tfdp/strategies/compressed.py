@@ -8,7 +8,9 @@ class CompressedStrategy(HorovodStrategy):
     """Synchronous data parallelism that exchanges compressed gradients.
 
     Same contract as `tfdp.MirroredStrategy` (fit/evaluate/predict, global metrics, the
-    same weights on every rank after every step); only the gradient exchange differs.
+    same weights on every rank after every step); only the gradient exchange differs. With
+    ``local_residual=True`` the workers' models differ during `fit` by what compression
+    has not sent yet, and are averaged when `fit` ends (and before checkpoints).
     ``strategy.communication_stats()`` reports ``gradient_bytes`` (every byte of
     gradient payload handed to collectives: values, indices, scales, norms) next to
     ``dense_bytes`` (what float32 all-reduce would have sent); see
@@ -30,6 +32,11 @@ class CompressedStrategy(HorovodStrategy):
             `tfdp.reducers.CompressedGradients`.
         balance: as in `tfdp.MirroredStrategy`; only with ``error_feedback=False``
             (a residual kept across steps is not weighted by rows).
+        local_residual: each worker takes its own optimizer step, the workers exchange their
+            steps compressed with error feedback, and each keeps in its own model what
+            compression held back of its steps (CSER's error reset): the mean of the workers
+            follows synchronous training; the preset ``topk-1pct`` and ``efsign`` use it. See
+            `tfdp.reducers.CompressedGradients`.
 
     Example:
         >>> strategy = tfdp.CompressedStrategy({"name": "topk", "ratio": 0.01})
@@ -40,10 +47,10 @@ class CompressedStrategy(HorovodStrategy):
 
     def __init__(self, compressor="fp16", error_feedback=True, warmup_steps=0,
                  min_compress_bytes=DEFAULT_MIN_COMPRESS_BYTES, global_step_logs=True, momentum_correction="auto",
-                 balance=None):
+                 balance=None, local_residual=False):
         make_reducer = compressed_reducer_factory(
             compressor, error_feedback, warmup_steps, min_compress_bytes, op="sum",
-            momentum_correction=momentum_correction)
+            momentum_correction=momentum_correction, local_residual=local_residual)
         super().__init__(make_reducer, global_step_logs=global_step_logs, balance=balance)
 
     @property

@@ -384,6 +384,9 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
     def step_failed(self, error):
         self._container_strategy().step_failed(error)
 
+    def before_inference(self, model):
+        self._container_strategy().settle_before_inference(model)
+
     # -- input --------------------------------------------------------------------
     def _experimental_distribute_dataset(self, dataset, options):
         return shard_global_batches(dataset, self._rank, self._size, self.balancer)

@@ -1,10 +1,12 @@
 """`SettleState`: tfdp's callback that settles reducer state on every rank when it must.
 
-Added by every tfdp strategy to `fit`, before the user's callbacks. It calls
-`strategy.settle` (finish in-flight exchanges, gather per-rank reducer state) on every
-rank at the end of training and before each checkpoint that ModelCheckpoint or
+Added by every tfdp strategy to `fit`, `evaluate` and `predict`, before the user's callbacks.
+It calls `strategy.settle` (finish in-flight exchanges, gather per-rank reducer state) on
+every rank at the end of training and before each checkpoint that ModelCheckpoint or
 BackupAndRestore will write, so a checkpoint holds a complete, consistent state: no
-stale gradient left in flight, every rank's error-feedback residuals.
+stale gradient left in flight, every rank's error-feedback residuals. An `evaluate` or
+`predict` outside `fit` first makes the workers' models one, if they may differ (after
+`train_on_batch` steps); validation inside `fit` runs each worker's own model.
 """
 
 import keras
@@ -19,6 +21,17 @@ class SettleState(keras.callbacks.Callback):
         super().__init__()
         self.strategy = strategy
         self.checkpointers = checkpoint_callbacks(callbacks)
+        self._training = False
+
+    def on_train_begin(self, logs=None):
+        self._training = True
+
+    def on_test_begin(self, logs=None):
+        if not self._training:
+            self.strategy.settle_before_inference(self.model)
+
+    def on_predict_begin(self, logs=None):
+        self.strategy.settle_before_inference(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         if any(checkpoint_due(c, batch) for c in self.checkpointers):
@@ -29,4 +42,5 @@ class SettleState(keras.callbacks.Callback):
             self.strategy.settle(self.model.optimizer)
 
     def on_train_end(self, logs=None):
+        self._training = False
         self.strategy.settle(self.model.optimizer)

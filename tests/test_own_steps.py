@@ -1,0 +1,196 @@
+"""Reducers whose workers apply their own step at once: delayed averaging (async presets) and
+compression with the residual kept in the worker's model (top-k, EF-sign presets).
+
+On fake ranks in one process. The property both rest on: the mean of the workers' models
+moves by the mean of their steps, so on a quadratic (gradients linear in the weights, the
+same curvature on every worker) it follows synchronous momentum SGD exactly, whatever the
+delay or the compressor; the workers differ only by what has not been averaged yet, and
+`settle` leaves every rank with that mean, bit for bit.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.comm.fake import run_ranks
+from tfdp.compression import EFSign, TopK
+from tfdp.reducers import CompressedGradients, DelayedAveraging, StaleGradients
+
+WORKERS = 2
+STEPS = 16
+LR, MOMENTUM = 0.1, 0.9
+CURVATURE = np.linspace(0.2, 2.0, 64).astype("float32")
+TARGETS = np.random.default_rng(0).normal(size=(WORKERS, 64)).astype("float32")
+
+
+def gradient(weights, rank):
+    """This worker's gradient of 0.5 * sum(h * (w - c_rank)^2), divided by the workers as Keras does."""
+    return CURVATURE * (weights - TARGETS[rank]) / WORKERS
+
+
+def synchronous_trajectory():
+    """Momentum SGD on the mean of the workers' losses, one process."""
+    w, m, trajectory = np.zeros(64, "float32"), np.zeros(64, "float32"), []
+    for _ in range(STEPS):
+        m = MOMENTUM * m - LR * CURVATURE * (w - TARGETS.mean(axis=0))
+        w = w + m
+        trajectory.append(w)
+    return np.array(trajectory)
+
+
+def train(make_reducer, settle=True):
+    """Every rank's weights after each step (and after `settle`), with Keras's momentum SGD."""
+
+    def body(comm):
+        variable = tf.Variable(tf.zeros(64), name="w")
+        optimizer = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+        reducer = make_reducer(comm)
+        seen = []
+        for _ in range(STEPS):
+            reducer.before_update([variable], optimizer)
+            grads = reducer.reduce([tf.constant(gradient(variable.numpy(), comm.rank))], [variable], optimizer)
+            optimizer.apply(grads, [variable])
+            reducer.after_update([variable])
+            seen.append(variable.numpy().copy())
+        if settle:
+            reducer.settle(lambda grads, variables: optimizer.apply(grads, variables), optimizer)
+        return np.array(seen), variable.numpy().copy(), comm.stats.as_dict()
+
+    return run_ranks(WORKERS, body)
+
+
+OWN_STEPS = {
+    "delayed averaging, s=1": lambda comm: DelayedAveraging(comm, staleness=1),
+    "delayed averaging, s=2": lambda comm: DelayedAveraging(comm, staleness=2),
+    "top-k 5%, local residual": lambda comm: CompressedGradients(
+        comm, TopK(0.05), error_feedback=True, min_compress_bytes=0, local_residual=True),
+    "EF-sign, local residual": lambda comm: CompressedGradients(
+        comm, EFSign(block=16), error_feedback=True, min_compress_bytes=0, local_residual=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_STEPS))
+def test_the_mean_of_the_workers_follows_synchronous_momentum_sgd_and_settle_leaves_it_everywhere(name):
+    ranks = train(OWN_STEPS[name])
+    reference = synchronous_trajectory()
+    mean = np.mean([seen for seen, _, _ in ranks], axis=0)
+    np.testing.assert_allclose(mean, reference, rtol=0, atol=2e-5)
+    # The workers themselves differ while steps are unaveraged (or unsent) ...
+    assert np.max(np.abs(ranks[0][0][-1] - ranks[1][0][-1])) > 1e-3
+    # ... and end with the mean, bit for bit.
+    np.testing.assert_array_equal(ranks[0][1], ranks[1][1])
+    np.testing.assert_allclose(ranks[0][1], reference[-1], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("name, make", [
+    ("stale gradients, s=2", lambda comm: StaleGradients(comm, staleness=2)),
+    ("top-k 5% without the local residual", lambda comm: CompressedGradients(
+        comm, TopK(0.05), error_feedback=True, min_compress_bytes=0, momentum_correction="update")),
+])
+def test_negative_control_applying_delayed_or_compressed_sums_leaves_the_synchronous_trajectory(name, make):
+    ranks = train(make, settle=False)
+    mean = np.mean([seen for seen, _, _ in ranks], axis=0)
+    assert np.max(np.abs(mean - synchronous_trajectory())) > 0.05
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_delayed_averaging_swaps_each_own_step_for_the_average_s_steps_later(staleness):
+    # Plain SGD with learning rate 1 and gradient -(rank + 1) * (t + 1): own step (rank + 1)(t + 1)
+    # scaled by the 2 workers (Keras divided the loss by them), the average 1.5 (t + 1) * 2.
+    def body(comm):
+        variable = tf.Variable(tf.zeros(1), name="w")
+        reducer = DelayedAveraging(comm, staleness)
+        seen = []
+        for t in range(5):
+            reducer.before_update([variable])
+            [grad] = reducer.reduce([tf.constant([-(comm.rank + 1.0) * (t + 1)])], [variable])
+            variable.assign_sub(grad)
+            reducer.after_update([variable])
+            seen.append(float(variable.numpy()[0]))
+        reducer.settle()
+        return seen, float(variable.numpy()[0]), reducer.stats()["max_staleness"]
+
+    for rank, (seen, settled, max_staleness) in enumerate(run_ranks(2, body)):
+        own = [2.0 * (rank + 1) * (t + 1) for t in range(5)]
+        average = [3.0 * (t + 1) for t in range(5)]
+        averaged = [max(0, t + 1 - staleness) for t in range(5)]  # steps whose average has arrived
+        expected = [sum(average[:n]) + sum(own[n:t + 1]) for t, n in enumerate(averaged)]
+        assert seen == pytest.approx(expected)
+        assert settled == pytest.approx(sum(average))
+        assert max_staleness == staleness
+
+
+def test_local_residual_settle_forgets_the_residuals_whose_mean_it_applied():
+    def body(comm):
+        reducer = OWN_STEPS["top-k 5%, local residual"](comm)
+        variable = tf.Variable(tf.zeros(64), name="w")
+        optimizer = keras.optimizers.SGD(LR)
+        for _ in range(3):
+            reducer.before_update([variable], optimizer)
+            grads = reducer.reduce([tf.constant(gradient(variable.numpy(), comm.rank))], [variable], optimizer)
+            optimizer.apply(grads, [variable])
+            reducer.after_update([variable])
+        before = np.abs(reducer.memory.residual(variable.path if hasattr(variable, "path") else variable.name)).sum()
+        reducer.settle()
+        after = np.abs(reducer.memory.residual(variable.path if hasattr(variable, "path") else variable.name)).sum()
+        return before, after, comm.stats.as_dict()
+
+    for before, after, stats in run_ranks(2, body):
+        assert before > 0 and after == 0
+        # Three top-k exchanges (5% of 64 entries: 4 values and 4 indices) and one float32 average.
+        assert stats["gradient_bytes"] == 3 * 8 * 4 + 4 * 64
+
+
+@pytest.mark.parametrize("name", sorted(OWN_STEPS))
+def test_under_gradient_accumulation_only_the_applying_calls_exchange(name):
+    # Keras calls the update every micro-step; with accumulation only every second call applies
+    # the accumulated gradients. The reducer exchanges on those calls only.
+    def body(comm):
+        variable = tf.Variable(tf.zeros(64), name="w")
+        optimizer = keras.optimizers.SGD(LR)
+        reducer = OWN_STEPS[name](comm)
+        def exchanges():  # delayed averaging exchanges in the background: count submissions
+            if isinstance(reducer, DelayedAveraging):
+                return reducer.pipeline.submitted
+            return comm.stats.as_dict()["gradient_bytes"]
+
+        exchanged = []
+        for call in range(4):
+            applies = call % 2 == 1
+            before = exchanges()
+            reducer.before_update([variable], optimizer)
+            if applies:
+                grads = reducer.reduce([tf.constant(gradient(variable.numpy(), comm.rank))], [variable], optimizer)
+                optimizer.apply(grads, [variable])
+            reducer.after_update([variable], updated=tf.constant(applies))
+            exchanged.append(exchanges() > before)
+        reducer.settle()
+        return exchanged
+
+    for exchanged in run_ranks(WORKERS, body):
+        assert exchanged == [False, True, False, True]
+
+
+def test_a_loss_scaling_skip_on_one_rank_is_a_skip_on_every_rank():
+    # Workers that step on their own gradients decide finiteness from their own: rank 1's
+    # overflow must reach rank 0, or rank 0 would update (and exchange) alone.
+    from tfdp._compat.keras import _non_finite_anywhere_is_non_finite_everywhere
+
+    def body(comm):
+        mine = [tf.constant([1.0, float("inf") if comm.rank == 1 else 2.0]), None]
+        agreed = _non_finite_anywhere_is_non_finite_everywhere(comm, mine)
+        return [bool(np.all(np.isfinite(g.numpy()))) for g in agreed if g is not None], mine[0].numpy()
+
+    (agreed0, own0), (agreed1, _) = run_ranks(2, body)
+    assert agreed0 == agreed1 == [False]
+    assert np.all(np.isfinite(own0))  # negative control: rank 0's own gradient was finite
+
+
+def test_finite_gradients_everywhere_pass_unchanged():
+    from tfdp._compat.keras import _non_finite_anywhere_is_non_finite_everywhere
+
+    def body(comm):
+        return _non_finite_anywhere_is_non_finite_everywhere(comm, [tf.constant([comm.rank + 1.0])])[0].numpy()
+
+    assert [v.tolist() for v in run_ranks(2, body)] == [[1.0], [2.0]]
