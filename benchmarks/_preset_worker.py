@@ -1,7 +1,7 @@
 """Train one workload under several presets (and seeds) inside one set of workers.
 
 Configurations are shipped presets, optionally with explicit overrides
-(``topk-1pct:compressor.ratio=0.001,error_feedback=false``; see `tfdp.presets`). For every
+(``topk-1pct:compressor.ratio=0.001,local_residual=false``; see `tfdp.presets`). For every
 run, rank r appends to ``<out>/rank<r>.json`` the test accuracy after each of
 ``--report-epochs`` (one training serves a short and a long budget), the median seconds
 per step, the gradient and dense bytes per step and the communication statistics. With

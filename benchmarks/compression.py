@@ -27,7 +27,7 @@ WORKER = HERE / "_preset_worker.py"
 # Shipped presets, and variants of them (`tfdp.presets`): printed as they are run.
 CONFIGS = ["sync", "fp16", "bf16", "qsgd", "fp16:compressor.name=randomk,compressor.ratio=0.1,error_feedback=false",
            "topk-1pct", "efsign", "powersgd-r4:compressor.rank=2", "powersgd-r4",
-           "topk-1pct:compressor.ratio=0.001,error_feedback=false"]
+           "topk-1pct:compressor.ratio=0.001,error_feedback=false,local_residual=false"]
 
 
 def run_job(out, args):

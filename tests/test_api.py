@@ -194,10 +194,10 @@ def test_worker_stdout_follows_the_current_rank_and_can_be_undone(monkeypatch):
 
 
 def test_variants_are_presets_with_explicit_overrides(monkeypatch):
-    cls, options = presets.resolve_variant("topk-1pct:compressor.ratio=0.001,error_feedback=false")
+    cls, options = presets.resolve_variant("topk-1pct:compressor.ratio=0.001,local_residual=false")
     assert cls is tfdp.CompressedStrategy
-    assert options == {"compressor": {"name": "topk", "ratio": 0.001}, "error_feedback": False,
-                       "momentum_correction": "auto"}
+    assert options == {"compressor": {"name": "topk", "ratio": 0.001}, "error_feedback": True,
+                       "local_residual": False}
     _, options = presets.resolve_variant("fp16:compressor.name=randomk,compressor.ratio=0.1,error_feedback=false")
     assert options["compressor"] == {"name": "randomk", "ratio": 0.1}  # `fp16` became {name: fp16} first
     assert presets.load_preset("topk-1pct")["options"]["compressor"]["ratio"] == 0.01  # the file is untouched

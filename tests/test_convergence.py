@@ -20,7 +20,7 @@ EPOCHS = 20
 FAMILIES = {
     # Negative controls: top-k 0.1% without error feedback; staleness 8.
     "compressed": (["fp16", "bf16", "topk-1pct", "qsgd", "efsign", "powersgd-r4"],
-                   "topk-1pct:compressor.ratio=0.001,error_feedback=false"),
+                   "topk-1pct:compressor.ratio=0.001,error_feedback=false,local_residual=false"),
     "async": (["async-s1", "async-s2", "local-sgd-h16", "local-sgd-h16:sync_every=4,warmup_steps=0"],
               "async-s1:staleness=8"),
 }

@@ -11,7 +11,7 @@ types are errors that name the file and the fix.
 
 A *variant* is a preset plus explicit overrides of its options, written
 ``NAME:key=value,key=value`` (values in YAML: numbers, true/false, null, names; a dotted
-key reaches into a nested option), e.g. ``topk-1pct:compressor.ratio=0.001,error_feedback=false``
+key reaches into a nested option), e.g. ``topk-1pct:compressor.ratio=0.001,local_residual=false``
 or ``async-s1:staleness=8``. Benchmarks and convergence tests name what they run this way,
 and ``TFDP_STRATEGY`` and ``tfdp run --strategy`` accept it too.
 """
@@ -115,8 +115,8 @@ def parse_variant(text):
     """Split ``NAME:key=value,...`` into the preset name and a dict of (dotted) overrides.
 
     Example:
-        >>> parse_variant("topk-1pct:compressor.ratio=0.001,error_feedback=false")
-        ('topk-1pct', {'compressor.ratio': 0.001, 'error_feedback': False})
+        >>> parse_variant("topk-1pct:compressor.ratio=0.001,local_residual=false")
+        ('topk-1pct', {'compressor.ratio': 0.001, 'local_residual': False})
     """
     name, _, rest = text.partition(":")
     overrides = {}
