@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfdp.comm.fake import run_ranks
 from tfdp.compression import EFSign, TopK
-from tfdp.reducers import CompressedGradients, DelayedAveraging, StaleGradients
+from tfdp.reducers import CompressedGradients, DelayedAveraging, LocalSGD, StaleGradients
 
 WORKERS = 2
 STEPS = 16
@@ -54,7 +54,8 @@ def train(make_reducer, settle=True):
             reducer.after_update([variable])
             seen.append(variable.numpy().copy())
         if settle:
-            reducer.settle(lambda grads, variables: optimizer.apply(grads, variables), optimizer)
+            reducer.settle(lambda grads, variables, applying=None: (applying or optimizer).apply(grads, variables),
+                           optimizer)
         return np.array(seen), variable.numpy().copy(), comm.stats.as_dict()
 
     return run_ranks(WORKERS, body)
@@ -194,3 +195,31 @@ def test_finite_gradients_everywhere_pass_unchanged():
         return _non_finite_anywhere_is_non_finite_everywhere(comm, [tf.constant([comm.rank + 1.0])])[0].numpy()
 
     assert [v.tolist() for v in run_ranks(2, body)] == [[1.0], [2.0]]
+
+
+@pytest.mark.parametrize("name", ["delayed averaging, s=1", "delayed averaging, s=2", "stale gradients, s=1",
+                                  "local SGD, H=2"])
+def test_two_optimizers_each_get_their_own_exchange(name):
+    # A GAN's pattern: two optimizers update two variables of one shape, one after the other,
+    # every step. Each variable must receive its own optimizer's sums, never the other's.
+    make = {"delayed averaging, s=1": lambda comm: DelayedAveraging(comm, staleness=1),
+            "delayed averaging, s=2": lambda comm: DelayedAveraging(comm, staleness=2),
+            "stale gradients, s=1": lambda comm: StaleGradients(comm, staleness=1),
+            "local SGD, H=2": lambda comm: LocalSGD(comm, sync_every=2)}[name]
+
+    def body(comm):
+        reducer = make(comm)
+        first, second = tf.Variable([0.0], name="first"), tf.Variable([0.0], name="second")
+        for _ in range(5):
+            for variable, size in ((first, 1.0), (second, 100.0)):
+                reducer.before_update([variable])
+                [grad] = reducer.reduce([tf.constant([-size * (comm.rank + 1) / 2])], [variable])
+                variable.assign_sub(grad)
+                reducer.after_update([variable])
+        reducer.settle(lambda grads, variables, applying=None: variables[0].assign_sub(grads[0]))
+        return first.numpy()[0], second.numpy()[0]
+
+    # Each step moves `first` by 1.5 on average over the ranks and `second` by 150: whatever the
+    # exchange, after settle both ranks hold 5 steps of each, and nothing of the other's.
+    for first, second in run_ranks(2, body):
+        assert first == pytest.approx(7.5) and second == pytest.approx(750.0)

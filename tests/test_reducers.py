@@ -78,10 +78,11 @@ def test_stale_gradients_apply_the_sum_of_step_t_minus_s_and_settle_the_rest(sta
         applied = []
         for t in range(steps):
             grad = tf.constant([float(t), float(comm.rank)])
+            reducer.before_update(vs)
             applied.append(reducer.reduce([grad], vs)[0].numpy().tolist())
             reducer.after_update(vs)
         late = []
-        reducer.settle(lambda grads, variables: late.append(grads[0].numpy().tolist()))
+        reducer.settle(lambda grads, variables, optimizer=None: late.append(grads[0].numpy().tolist()))
         return applied, late, reducer.stats()["max_staleness"]
 
     for applied, late, max_staleness in run_ranks(2, body):
@@ -97,6 +98,7 @@ def test_local_sgd_averages_every_h_updates_and_at_settle():
         reducer = LocalSGD(comm, sync_every=2)
         seen = []
         for step in range(3):
+            reducer.before_update([v])
             grads = reducer.reduce([tf.constant([1.0])], [v])
             v.assign_sub(grads[0] * (comm.rank + 1))  # ranks move at different speeds
             reducer.after_update([v])
@@ -121,6 +123,7 @@ def test_local_sgd_follows_a_model_compiled_again_with_other_trainable_variables
         reducer = LocalSGD(comm, sync_every=1)
         for trainable, optimizer in (([a], keras.optimizers.SGD(1.0, momentum=0.9)), ([a, b], keras.optimizers.SGD(1.0))):
             optimizer.build(trainable)
+            reducer.before_update(trainable, optimizer)
             for v in trainable:
                 v.assign_add(tf.fill(v.shape, float(comm.rank)))  # the ranks drift apart
             reducer.after_update(trainable)  # and are averaged (every step: sync_every=1)
@@ -193,6 +196,7 @@ def test_rows_weighting_gives_the_global_mean_for_uneven_splits(make):
         [v] = variables([(4,)])
         reducer = make(comm)
         local = tf.fill([4], float(np.mean(rows[comm.rank])) / 2)
+        reducer.before_update([v])
         with rows_of_this_step(tf.constant(len(rows[comm.rank]), tf.int64)):
             [applied] = reducer.reduce([local], [v])
         unweighted = reducer.reduce([local], [v])[0]  # outside a Keras step: no weighting

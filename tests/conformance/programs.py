@@ -388,6 +388,53 @@ class CustomSteps(keras.Model):
         return {"prediction": self(x), "doubled": 2.0 * self(x)}
 
 
+class TwoOptimizers(keras.Model):
+    """The pattern of Keras's GAN guide: `compile` takes two optimizers, each updates its own part."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = keras.layers.Dense(16, activation="tanh")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+    def compile(self, body_optimizer, head_optimizer):
+        super().compile()
+        self.body_optimizer, self.head_optimizer = body_optimizer, head_optimizer
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def train_step(self, data):
+        x, y = data
+        # tf.distribute's custom-loop rule: each replica divides its mean loss by the replicas,
+        # whose gradients the strategy sums.
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        for part, optimizer in ((self.head, self.head_optimizer), (self.body, self.body_optimizer)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+                scaled = loss / replicas
+            grads = tape.gradient(scaled, part.trainable_weights)
+            optimizer.apply(grads, part.trainable_weights)
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+
+@program()
+def two_optimizers_custom_step(make_strategy):
+    x, y = regression()
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = TwoOptimizers()
+        model.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.Adam(0.01))
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, predict=model.predict(x[:8], batch_size=GLOBAL_BATCH, verbose=0))
+
+
 @program(reference="tf-mirrored")
 def custom_train_step(make_strategy):
     # The guide's step reports `compute_loss`, which Keras divides by the number of
@@ -732,6 +779,18 @@ def epoch_callbacks(make_strategy):
                  keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10.0)]
     model, history = fit_mlp(make_strategy, x, y, epochs=5, callbacks=callbacks)
     return result(model, history, learning_rate=float(model.optimizer.learning_rate.numpy()))
+
+
+@program()
+def early_stopping_restores_best_weights(make_strategy):
+    # The best epoch by val_loss is restored when training stops (a large learning rate makes
+    # the last epochs worse); Keras keeps the weights in the callback, not in the model.
+    x, y = regression()
+    stop = keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True)
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"optimizer": keras.optimizers.SGD(0.4, momentum=0.9)},
+                             epochs=8, validation_data=regression(64, seed=5), callbacks=[stop])
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  best_epoch=int(stop.best_epoch))
 
 
 # -- set-up ----------------------------------------------------------------------------

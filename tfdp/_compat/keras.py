@@ -74,6 +74,10 @@ class StrategyHooks(abc.ABC):
     def extra_callbacks(self, model, callbacks):
         """Callbacks to run before the user's in fit/evaluate/predict (on every rank)."""
 
+    def closing_callbacks(self, model):
+        """Callbacks to run after the user's in fit/evaluate/predict (on every rank)."""
+        return []
+
     def step_failed(self, error):
         """A training or test step raised `error` (a TensorFlow op error); say what is known, then it propagates."""
 
@@ -342,7 +346,12 @@ def _shard(optimizer, reducer):
     cls = type(optimizer)
 
     def build(variables):
-        reducer.build_sharded(optimizer, list(variables))
+        import tensorflow as tf
+
+        # An optimizer a custom train_step applies (a GAN's second one) is built on its first
+        # apply, inside the traced step: the layout is read from eager values.
+        with tf.init_scope():
+            reducer.build_sharded(optimizer, list(variables))
 
     def apply(grads, trainable_variables=None):
         if trainable_variables is None:
@@ -789,7 +798,8 @@ def _patch_callbacks():
     def __init__(self, callbacks=None, add_history=False, add_progbar=False, model=None, **params):
         hooks = _strategy_hooks(getattr(model, "_distribute_strategy", None))
         if hooks is not None:
-            callbacks = list(hooks.extra_callbacks(model, list(callbacks or []))) + list(callbacks or [])
+            callbacks = (list(hooks.extra_callbacks(model, list(callbacks or []))) + list(callbacks or [])
+                         + list(hooks.closing_callbacks(model)))
             if not hooks.is_chief:
                 add_progbar = False
                 kept = []

@@ -60,6 +60,17 @@ def variable_key(variable):
     return getattr(variable, "path", None) or variable.name
 
 
+def update_group(variables):
+    """A key for the variables one optimizer updates, the same at every update of that optimizer.
+
+    A model may update its variables with several optimizers (Keras's GAN guide: one for the
+    generator, one for the discriminator); reducers that carry work from one update to a later
+    one keep it per group. The key is local to this process: ranks pair their collectives by
+    the order they issue them, which is the same on every rank.
+    """
+    return tuple(id(v) for v in variables)
+
+
 _step = threading.local()
 
 
@@ -239,9 +250,10 @@ class GradientReducer(abc.ABC):
     def settle(self, apply_gradients, optimizer=None):
         """Finish in-flight work so that every rank holds the same, complete model.
 
-        `apply_gradients(grads, variables)` applies already-reduced gradients with
-        `optimizer`. Called on every rank at the end of `fit` and before every checkpoint
-        tfdp's callbacks write.
+        `apply_gradients(grads, variables, applying=None)` applies already-reduced gradients
+        with `applying` (default `optimizer`, the model's). Called on every rank at the end of
+        `fit`, before every checkpoint tfdp's callbacks write, and before `evaluate`/`predict`
+        outside `fit` when `unsettled`.
         """
 
     def stats(self):

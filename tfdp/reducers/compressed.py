@@ -100,7 +100,7 @@ class CompressedGradients(GradientReducer):
         self._corrected = None  # (positions, keys, compressed-now flag) of the step being traced
         self._compresses_updates = False
         self._before_update = None  # the variables' values before the update of the step being traced
-        self._variables = None
+        self._residual_variables = {}  # local residual: every variable whose model differs by rank
         # Local residual: steps since the models were last averaged (the workers' models differ).
         self._unsettled_steps = local_variable(tf.constant(0, tf.int64), "tfdp_unsettled_steps")
 
@@ -226,7 +226,7 @@ class CompressedGradients(GradientReducer):
         steps = [tf.convert_to_tensor(v) - b for v, b in zip(variables, before)]
         summed, sent = self._exchange(steps, variables, None, correct=False)
         if self.local_residual:
-            self._variables = variables
+            self._residual_variables.update((id(v), v) for v in variables)
             self._unsettled_steps.assign_add(1)
             for variable, total, own in zip(variables, summed, sent):
                 variable.assign_add(total / self.communicator.size - own)
@@ -276,13 +276,14 @@ class CompressedGradients(GradientReducer):
         if not self.unsettled():
             return
         self._unsettled_steps.assign(0)
+        variables = list(self._residual_variables.values())
         self.communicator.stats.add("rounds", 1)
-        averaged = self.communicator.allreduce([tf.convert_to_tensor(v) for v in self._variables], op="average",
+        averaged = self.communicator.allreduce([tf.convert_to_tensor(v) for v in variables], op="average",
                                                gradients=True)
-        for variable, value in zip(self._variables, averaged):
+        for variable, value in zip(variables, averaged):
             variable.assign(value)
         if self.memory is not None:
-            for variable in self._variables:
+            for variable in variables:
                 key = f"{variable_key(variable)}/residual"
                 if key in self.state:
                     self.state.variable(key, None).assign(tf.zeros_like(variable))

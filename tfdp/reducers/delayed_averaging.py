@@ -15,21 +15,44 @@ summed gradient of step t - s instead, and with momentum that delay is stable on
 much smaller step (`tfdp.reducers.stale`); here the delay touches only the spread between
 workers. The workers' optimizer states are their own (checkpoints keep every rank's).
 
-`settle` (end of `fit`, before checkpoints) applies what is in flight and averages the
-models once, so every rank then holds the same weights, bit for bit.
+`settle` (end of `fit`, before checkpoints, before `evaluate` and `predict` outside `fit`)
+applies what is in flight and averages the models once, so every rank then holds the same
+weights, bit for bit.
 """
 
 import collections
+import dataclasses
+import functools
 
 import tensorflow as tf
 
 from tfdp._compat.tensorflow import local_variable
-from tfdp.reducers.base import GradientReducer, rows_in_this_step
+from tfdp.reducers.base import GradientReducer, rows_in_this_step, update_group
 from tfdp.reducers.stale import ExchangePipeline
+
+
+@dataclasses.dataclass
+class _Updated:
+    """One optimizer's variables, and this worker's steps of them whose average is in flight."""
+
+    variables: list
+    own_steps: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+    def split(self, vector):
+        """`vector` (float32, flat) as one tensor per variable."""
+        pieces = tf.split(vector, [v.shape.num_elements() for v in self.variables])
+        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, self.variables)]
+
+    def swap(self, summed):
+        """The average of a step (`summed`: row-weighted steps and the rows) minus this worker's own."""
+        return summed[:-1] / summed[-1] - self.own_steps.popleft()
 
 
 class DelayedAveraging(GradientReducer):
     """Reducer of `tfdp.AsyncStrategy(staleness=s)`: own step now, the workers' average s steps later.
+
+    A model updated by several optimizers (a GAN's two) has each optimizer's steps averaged
+    on their own, s of that optimizer's steps later.
 
     Args:
         communicator: a `tfdp.comm.Communicator`.
@@ -39,6 +62,7 @@ class DelayedAveraging(GradientReducer):
 
     Example:
         >>> reducer = DelayedAveraging(communicator, staleness=1)
+        >>> reducer.before_update(variables)
         >>> grads = reducer.reduce(grads, variables, optimizer)  # this worker's own step
         >>> reducer.after_update(variables)  # hand the step over; swap in step t - 1's average
     """
@@ -51,11 +75,9 @@ class DelayedAveraging(GradientReducer):
         super().__init__(communicator, op="sum")
         self.staleness = staleness
         self.pipeline = ExchangePipeline(communicator, staleness, delay_seconds)
-        self._own_steps = collections.deque()  # this worker's steps whose average is in flight
         self._max_staleness = local_variable(tf.constant(0, tf.int64), "tfdp_delayed_max_staleness")
-        self._before = None  # the variables' values before the update of the step being traced
-        self._variables = None
-        self._shapes = None
+        self._before = None  # the variables' values before the update being traced
+        self._groups = {}  # update group -> _Updated
         self._unsettled = False
 
     def stats(self):
@@ -78,41 +100,38 @@ class DelayedAveraging(GradientReducer):
         if self._before is None:
             return
         before, self._before = self._before, None
-        self._variables = list(variables)
-        self._shapes = [(v.shape, v.dtype) for v in self._variables]
+        variables = list(variables)
+        group = update_group(variables)
+        if group not in self._groups:
+            self._groups[group] = _Updated(variables)
         if updated is None:
-            self._exchange_step(before)
+            self._exchange_step(group, before)
         else:  # gradient accumulation: only the calls that apply the accumulated gradients
-            tf.cond(updated, lambda: self._exchange_step(before), lambda: tf.constant(False))
+            tf.cond(updated, lambda: self._exchange_step(group, before), lambda: tf.constant(False))
 
-    def _exchange_step(self, before):
+    def _exchange_step(self, group, before):
+        variables = self._groups[group].variables
         own = tf.concat([tf.reshape(tf.cast(tf.convert_to_tensor(v) - b, tf.float32), [-1])
-                         for v, b in zip(self._variables, before)], axis=0)
+                         for v, b in zip(variables, before)], axis=0)
         rows = rows_in_this_step()
         rows = tf.constant(1.0) if rows is None else tf.cast(rows, tf.float32)
         weighted = tf.concat([own * rows, tf.reshape(rows, [1])], axis=0)
-        correction, age = tf.py_function(self._exchange, [weighted, own], [tf.float32, tf.int64])
+        correction, age = tf.py_function(functools.partial(self._exchange, group), [weighted, own],
+                                         [tf.float32, tf.int64])
         self._max_staleness.assign(tf.maximum(self._max_staleness, age))
-        for variable, piece in zip(self._variables, self._split(tf.reshape(correction, tf.shape(own)))):
+        for variable, piece in zip(variables, self._groups[group].split(tf.reshape(correction, tf.shape(own)))):
             variable.assign_add(piece)
         return tf.constant(True)
 
-    def _exchange(self, weighted, own):
+    def _exchange(self, group, weighted, own):
         """Eagerly: submit this step; return (average of step t - s minus this worker's step t - s, age)."""
         self._unsettled = True
-        summed, age = self.pipeline.step(weighted)
-        self._own_steps.append(own)
+        updated = self._groups[group]
+        summed, age = self.pipeline.step(weighted, group)
+        updated.own_steps.append(own)
         if summed is None:
             return tf.zeros_like(own), tf.constant(-1, tf.int64)
-        return self._swap(summed), tf.constant(age, tf.int64)
-
-    def _swap(self, summed):
-        average = summed[:-1] / summed[-1]
-        return average - self._own_steps.popleft()
-
-    def _split(self, vector):
-        pieces = tf.split(vector, [s.num_elements() for s, _ in self._shapes])
-        return [tf.cast(tf.reshape(p, s), d) for p, (s, d) in zip(pieces, self._shapes)]
+        return updated.swap(summed), tf.constant(age, tf.int64)
 
     def unsettled(self):
         return self._unsettled
@@ -122,12 +141,14 @@ class DelayedAveraging(GradientReducer):
         if not self._unsettled:
             return
         self._unsettled = False
-        for summed in self.pipeline.drain():
-            for variable, piece in zip(self._variables, self._split(self._swap(tf.cast(summed, tf.float32)))):
+        for group, summed in self.pipeline.drain():
+            updated = self._groups[group]
+            for variable, piece in zip(updated.variables, updated.split(updated.swap(tf.cast(summed, tf.float32)))):
                 variable.assign_add(piece)
         # The models now differ only by rounding; one average makes them bit-identical.
+        variables = list({id(v): v for g in self._groups.values() for v in g.variables}.values())
         self.communicator.stats.add("rounds", 1)
-        averaged = self.communicator.allreduce([tf.convert_to_tensor(v) for v in self._variables], op="average",
+        averaged = self.communicator.allreduce([tf.convert_to_tensor(v) for v in variables], op="average",
                                                gradients=True)
-        for variable, value in zip(self._variables, averaged):
+        for variable, value in zip(variables, averaged):
             variable.assign(value)

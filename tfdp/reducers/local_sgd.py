@@ -5,10 +5,12 @@ then local steps. With an outer learning rate or momentum the average becomes an
 optimizer step on the averaged change, as in DiLoCo (https://arxiv.org/abs/2311.08105).
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from tfdp._compat.tensorflow import local_variable
-from tfdp.reducers.base import GradientReducer, variable_key
+from tfdp.reducers.base import GradientReducer, update_group, variable_key
 
 
 class LocalSGD(GradientReducer):
@@ -19,7 +21,8 @@ class LocalSGD(GradientReducer):
     trainable variables are averaged across workers (one all-reduce of the weights).
     `settle` averages once more (at the end of `fit`, and before a checkpoint) so every
     rank holds the same model. The step counters, anchors and outer momenta are reducer
-    state, saved with the optimizer.
+    state, saved with the optimizer. A model updated by several optimizers (a GAN's two)
+    has each optimizer's steps counted, and its variables averaged, on their own.
 
     Args:
         communicator: a `tfdp.comm.Communicator`.
@@ -41,13 +44,30 @@ class LocalSGD(GradientReducer):
         self.warmup_steps = warmup_steps
         self.outer_learning_rate = outer_learning_rate
         self.outer_momentum = outer_momentum
-        self._step = self.state.variable("local_sgd_step", lambda: tf.constant(0, tf.int64))
-        self._since_sync = self.state.variable("local_sgd_since_sync", lambda: tf.constant(0, tf.int64))
         self._max_staleness = local_variable(tf.constant(0, tf.int64), "tfdp_local_max_staleness")
-        self._variables = None
+        self._groups = {}  # update group -> _Averaged, in order of first update
+        self._current = None  # the group of the update being traced
 
     def stats(self):
         return {"max_staleness": int(self._max_staleness.numpy())}
+
+    def before_update(self, variables, optimizer=None):
+        """Find (or start) the counters of the optimizer whose update this is."""
+        variables = list(variables)
+        group = update_group(variables)
+        if group not in self._groups:
+            # Created in this order on every rank. The first group keeps the names of
+            # checkpoints written before models with several optimizers were supported.
+            n = len(self._groups)
+            suffix = "" if n == 0 else f"_{n}"
+            self._groups[group] = _Averaged(
+                variables, self.state.variable(f"local_sgd_step{suffix}", lambda: tf.constant(0, tf.int64)),
+                self.state.variable(f"local_sgd_since_sync{suffix}", lambda: tf.constant(0, tf.int64)))
+            for var in variables:
+                self._anchor(var)
+                if self.outer_momentum:
+                    self._momentum(var)
+        self._current = self._groups[group]
 
     def _reduce(self, grads, variables, opt):
         size = self.communicator.size
@@ -64,7 +84,7 @@ class LocalSGD(GradientReducer):
         if size == 1:
             return grads
         if self.warmup_steps > 0:
-            return tf.cond(self._step < self.warmup_steps, synchronous, local)
+            return tf.cond(self._current.step < self.warmup_steps, synchronous, local)
         return local()
 
     def _anchor(self, variable):
@@ -73,12 +93,12 @@ class LocalSGD(GradientReducer):
     def _momentum(self, variable):
         return self.state.variable(f"{variable_key(variable)}/outer_momentum", lambda: tf.zeros_like(variable))
 
-    def _average(self):
-        """Replace every worker's variables by the outer step from the average."""
+    def _average(self, group):
+        """Replace every worker's variables of `group` by the outer step from their average."""
         self.communicator.stats.add("rounds", 1)
         averaged = self.communicator.allreduce(
-            [tf.convert_to_tensor(v) for v in self._variables], op="average", gradients=True)
-        for var, avg in zip(self._variables, averaged):
+            [tf.convert_to_tensor(v) for v in group.variables], op="average", gradients=True)
+        for var, avg in zip(group.variables, averaged):
             anchor = self._anchor(var)
             change = tf.convert_to_tensor(anchor) - avg
             if self.outer_momentum:
@@ -88,48 +108,53 @@ class LocalSGD(GradientReducer):
             new = tf.convert_to_tensor(anchor) - self.outer_learning_rate * change
             anchor.assign(new)
             var.assign(new)
-        self._max_staleness.assign(tf.maximum(self._max_staleness, self._since_sync - 1))
-        self._since_sync.assign(0)
+        self._max_staleness.assign(tf.maximum(self._max_staleness, group.since_sync - 1))
+        group.since_sync.assign(0)
         return tf.constant(True)
 
-    def _reset_anchors(self):
-        for var in self._variables:
+    def _reset_anchors(self, group):
+        for var in group.variables:
             self._anchor(var).assign(var)
         return tf.constant(True)
 
     def after_update(self, variables, updated=None):
         """Count the update; average every H local steps (under gradient accumulation, count
         only the calls that applied the accumulated gradients)."""
-        variables = list(variables)
-        if self._variables is None or [variable_key(v) for v in variables] != [variable_key(v) for v in self._variables]:
-            # The first step, or a model compiled again with other trainable variables
-            # (layers frozen): `settle` averaged everything when the last fit ended.
-            self._variables = variables
-            for var in self._variables:  # Created here, in this order, on every rank.
-                self._anchor(var)
-                if self.outer_momentum:
-                    self._momentum(var)
+        group = self._current
         if updated is None:
-            self._count_update()
+            self._count_update(group)
         else:
-            tf.cond(updated, self._count_update, lambda: tf.constant(False))
+            tf.cond(updated, lambda: self._count_update(group), lambda: tf.constant(False))
 
-    def _count_update(self):
-        self._step.assign_add(1)
+    def _count_update(self, group):
+        group.step.assign_add(1)
         if self.communicator.size == 1:
             return tf.constant(True)
-        local_phase = self._step > self.warmup_steps
-        since = self._since_sync.assign_add(tf.cast(local_phase, tf.int64))
-        tf.cond(local_phase & (since >= self.sync_every), self._average, lambda: tf.constant(False))
+        local_phase = group.step > self.warmup_steps
+        since = group.since_sync.assign_add(tf.cast(local_phase, tf.int64))
+        tf.cond(local_phase & (since >= self.sync_every), lambda: self._average(group), lambda: tf.constant(False))
         if self.warmup_steps:
             # Synchronous steps keep the anchor at the shared weights.
-            tf.cond(local_phase, lambda: tf.constant(False), self._reset_anchors)
+            tf.cond(local_phase, lambda: tf.constant(False), lambda: self._reset_anchors(group))
         return tf.constant(True)
 
+    def _local_groups(self):
+        return [g for g in self._groups.values() if int(g.since_sync.numpy()) > 0]
+
     def unsettled(self):
-        return self.communicator.size > 1 and self._variables is not None and int(self._since_sync.numpy()) > 0
+        return self.communicator.size > 1 and bool(self._local_groups())
 
     def settle(self, apply_gradients=None, optimizer=None):
-        """Average the models if any local step happened since the last average."""
-        if self.unsettled():
-            self._average()
+        """Average the models of every optimizer that took local steps since its last average."""
+        if self.communicator.size > 1:
+            for group in self._local_groups():
+                self._average(group)
+
+
+@dataclasses.dataclass
+class _Averaged:
+    """One optimizer's variables and its counters (reducer state, so checkpoints keep them)."""
+
+    variables: list
+    step: object
+    since_sync: object

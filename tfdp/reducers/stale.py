@@ -9,13 +9,15 @@ one. Every rank applies the same sequence of summed gradients, so weights stay i
 """
 
 import collections
+import dataclasses
+import functools
 import threading
 import time
 
 import tensorflow as tf
 
 from tfdp._compat.tensorflow import local_variable
-from tfdp.reducers.base import ROW_COUNT, GradientReducer, variable_key
+from tfdp.reducers.base import ROW_COUNT, GradientReducer, update_group, variable_key
 from tfdp.reducers.optimizer_view import gradient_for_momentum, next_momentum_buffer
 from tfdp.reducers.optimizer_view import view as optimizer_view
 
@@ -24,6 +26,10 @@ WAIT_TIMEOUT_SECONDS = 600
 
 class ExchangePipeline:
     """A background thread that all-reduces submitted float32 vectors in order.
+
+    Submissions may belong to groups (one per optimizer of a model that has several): a step
+    returns the sum of its own group's submission s steps of that group earlier. Every rank
+    submits in the same order, so the background all-reduces pair across ranks.
 
     Example:
         >>> pipeline = ExchangePipeline(communicator, staleness=1)
@@ -38,7 +44,7 @@ class ExchangePipeline:
         self.exchange_seconds = 0.0
         self.exchanges = 0
         self._submitted = 0
-        self._applied = 0
+        self._waiting = {}  # group -> indices of its submissions not yet returned, oldest first
         self._pending = collections.deque()
         self._results = {}
         self._error = None
@@ -89,21 +95,23 @@ class ExchangePipeline:
             self.blocked_seconds += time.monotonic() - start
             return self._results.pop(index)
 
-    def step(self, vector):
-        """Submit this step's gradient; return (summed gradient of step t - s or None, its age).
+    def step(self, vector, group=None):
+        """Submit this step's vector; return (the sum of `group`'s step t - s or None, its age in steps).
 
         `vector` is an eager tensor: immutable, so the thread can hold it without a copy.
         """
         self._ensure_thread()
         with self._condition:
-            self._pending.append((self._submitted, vector))
+            index = self._submitted
+            self._pending.append((index, vector))
             self._submitted += 1
             self._condition.notify_all()
-        if self._submitted - self._applied <= self.staleness:
+        waiting = self._waiting.setdefault(group, collections.deque())
+        waiting.append(index)
+        if len(waiting) <= self.staleness:
             return None, 0
-        index = self._applied
-        self._applied += 1
-        return self._wait_for(index), self._submitted - 1 - index
+        age = len(waiting) - 1
+        return self._wait_for(waiting.popleft()), age
 
     @property
     def submitted(self):
@@ -111,16 +119,25 @@ class ExchangePipeline:
         return self._submitted
 
     def in_flight(self):
-        """Submitted exchanges not yet applied."""
-        return self._submitted - self._applied
+        """Submitted exchanges not yet returned by `step` or `drain`."""
+        return sum(len(waiting) for waiting in self._waiting.values())
 
     def drain(self):
-        """Wait for every submitted exchange; return the summed gradients not yet applied."""
-        remaining = []
-        while self._applied < self._submitted:
-            remaining.append(self._wait_for(self._applied))
-            self._applied += 1
-        return remaining
+        """Wait for every submitted exchange; return ``(group, sum)`` of those not yet returned, in
+        the order they were submitted."""
+        remaining = sorted((index, group) for group, waiting in self._waiting.items() for index in waiting)
+        self._waiting = {}
+        return [(group, self._wait_for(index)) for index, group in remaining]
+
+
+@dataclasses.dataclass
+class _Exchanged:
+    """What `settle` needs to apply one optimizer's gradients still in flight."""
+
+    variables: list
+    shapes: list
+    weighted: bool  # the last entry is the step's row count
+    optimizer: object
 
 
 class StaleGradients(GradientReducer):
@@ -155,42 +172,43 @@ class StaleGradients(GradientReducer):
         self.momentum = momentum
         self.pipeline = ExchangePipeline(communicator, staleness, delay_seconds)
         self._max_staleness = local_variable(tf.constant(0, tf.int64), "tfdp_max_staleness")
-        self._shapes = None
-        self._variables = None
-        self._weighted = False
+        self._groups = {}  # update group -> _Exchanged
+        self._optimizer = None  # the optimizer of the update being traced
 
     def stats(self):
         return {"max_staleness": int(self._max_staleness.numpy()),
                 "blocked_seconds": self.pipeline.blocked_seconds,
                 "exchange_seconds": self.pipeline.exchange_seconds}
 
-    def _exchange(self, vector):
-        applied, age = self.pipeline.step(vector)
+    def _exchange(self, group, vector):
+        applied, age = self.pipeline.step(vector, group)
         if applied is None:
             return tf.zeros_like(vector), tf.constant(-1, tf.int64)
         return applied, tf.constant(age, tf.int64)
 
+    def before_update(self, variables, optimizer=None):
+        self._optimizer = optimizer
+
     def _reduce(self, grads, variables, opt):
         # With row weighting the last entry is this step's row count; it travels (and is
         # delayed) with the gradients, so `settle` can unweight what it applies.
-        self._weighted = variables[-1] is ROW_COUNT
-        self._shapes = [(g.shape, g.dtype) for g in grads]
+        weighted = variables[-1] is ROW_COUNT
+        own = [v for v in variables if v is not ROW_COUNT]
+        group = update_group(own)
+        exchanged = self._groups[group] = _Exchanged(own, [(g.shape, g.dtype) for g in grads], weighted,
+                                                     self._optimizer)
         flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in grads], axis=0)
         # py_function hands the step's tensor to Python without a copy; the exchange
         # runs outside this graph, so it can outlive the step.
-        applied, age = tf.py_function(self._exchange, [flat], [tf.float32, tf.int64])
+        applied, age = tf.py_function(functools.partial(self._exchange, group), [flat], [tf.float32, tf.int64])
         applied = tf.reshape(applied, tf.shape(flat))
         self._max_staleness.assign(tf.maximum(self._max_staleness, age))
-        applied = self._unflatten(applied)
+        applied = _unflatten(applied, exchanged.shapes)
         if self.damping == "lr":
-            damped = len(applied) - (1 if self._weighted else 0)  # not the row count
+            damped = len(applied) - (1 if weighted else 0)  # not the row count
             scale = 1 / tf.cast(1 + tf.maximum(age, 0), tf.float32)
             applied = [g * tf.cast(scale, g.dtype) for g in applied[:damped]] + applied[damped:]
         return applied
-
-    def _unflatten(self, vector):
-        pieces = tf.split(vector, [s.num_elements() for s, _ in self._shapes])
-        return [tf.cast(tf.reshape(p, s), d) for p, (s, d) in zip(pieces, self._shapes)]
 
     def _target_momentum(self, opt):
         if self.momentum is None or opt.momentum == 0:
@@ -211,26 +229,26 @@ class StaleGradients(GradientReducer):
             steered.append(grad)
         return steered
 
-    def after_update(self, variables, updated=None):
-        """Remember the variables the gradients belong to (for `settle`)."""
-        self._variables = list(variables)
-
     def unsettled(self):
         return self.pipeline.in_flight() > 0
 
     def settle(self, apply_gradients, optimizer=None):
-        """Apply the summed gradients still in flight, in order."""
-        pending = self.pipeline.drain()
-        if not pending or self._variables is None:
-            return
+        """Apply the summed gradients still in flight, in order, each with its own optimizer."""
         scale = 1.0 / (1 + self.staleness) if self.damping == "lr" else 1.0
-        for vector in pending:
-            grads = self._unflatten(tf.cast(vector, tf.float32))
-            if self._weighted:
+        for group, vector in self.pipeline.drain():
+            exchanged = self._groups[group]
+            grads = _unflatten(tf.cast(vector, tf.float32), exchanged.shapes)
+            if exchanged.weighted:
                 *grads, total = grads
                 grads = [self.unweight(g, total) for g in grads]
-            grads = self._after_reduce([g * scale for g in grads], self._variables, optimizer_view(optimizer))
-            apply_gradients(grads, self._variables)
+            applying = exchanged.optimizer or optimizer
+            grads = self._after_reduce([g * scale for g in grads], exchanged.variables, optimizer_view(applying))
+            apply_gradients(grads, exchanged.variables, applying)
+
+
+def _unflatten(vector, shapes):
+    pieces = tf.split(vector, [s.num_elements() for s, _ in shapes])
+    return [tf.cast(tf.reshape(p, s), d) for p, (s, d) in zip(pieces, shapes)]
 
 
 def staleness_momentum(momentum, staleness):

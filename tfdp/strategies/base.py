@@ -16,7 +16,7 @@ from tfdp.strategies import output
 from tfdp.strategies.balance import Balancer, Rebalance, check_balance
 from tfdp.strategies.epoch_logs import GlobalEpochLogs
 from tfdp.strategies.extended import HorovodExtended
-from tfdp.strategies.settle import SettleState
+from tfdp.strategies.settle import AgreeOnWeights, SettleState
 from tfdp.strategies.watchdog import StepWatchdog, lost_hosts, timeout_from_env
 
 
@@ -136,6 +136,10 @@ class HorovodStrategy(tf.distribute.Strategy):
             extra.append(StepWatchdog(self.rank, self._step_timeout_seconds, self._hosts))
         return extra
 
+    def closing_callbacks(self, model=None):
+        """Callbacks tfdp adds (last, on every rank) to `fit`, `evaluate` and `predict`."""
+        return [AgreeOnWeights(self.extended.communicator)] if self.extended.communicator.size > 1 else []
+
     def step_failed(self, error):
         """A training or test step raised `error`: on a job that spans hosts, name the hosts that no longer answer."""
         lost = lost_hosts(self._hosts, self.rank)
@@ -165,9 +169,9 @@ class HorovodStrategy(tf.distribute.Strategy):
             self._finish_in_flight(model.optimizer)
 
     def _finish_in_flight(self, optimizer):
-        def apply_gradients(grads, variables):
+        def apply_gradients(grads, variables, applying=None):
             with gradients_reduced():
-                self.run(optimizer.apply, args=(grads, variables))
+                self.run((applying or optimizer).apply, args=(grads, variables))
 
         self.gradient_reducer.settle(apply_gradients, optimizer)
 

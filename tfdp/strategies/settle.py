@@ -10,6 +10,7 @@ stale gradient left in flight, every rank's error-feedback residuals. An `evalua
 """
 
 import keras
+import tensorflow as tf
 
 from tfdp._compat.keras import checkpoint_callbacks, checkpoint_due
 
@@ -44,3 +45,32 @@ class SettleState(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._training = False
         self.strategy.settle(self.model.optimizer)
+
+
+class AgreeOnWeights(keras.callbacks.Callback):
+    """After the user's callbacks have ended training, make sure every rank holds the same model.
+
+    A callback may replace the weights when training ends: `EarlyStopping(restore_best_weights=True)`
+    restores the weights it copied at the best epoch, and where the workers apply their own steps
+    (delayed averaging, local residuals, local SGD) each rank copied its own. tfdp adds this
+    callback after the user's: one small all-gather of each variable's sum and sum of squares
+    tells whether the ranks differ, and only then are the models averaged.
+    """
+
+    def __init__(self, communicator):
+        super().__init__()
+        self.communicator = communicator
+
+    def on_train_end(self, logs=None):
+        variables = [v for v in self.model.weights if keras.backend.is_float_dtype(v.dtype)]
+        if not variables:
+            return
+        values = [tf.convert_to_tensor(v) for v in variables]
+        sums = tf.stack([tf.reduce_sum(tf.cast(x, tf.float64)) for x in values]
+                        + [tf.reduce_sum(tf.square(tf.cast(x, tf.float64))) for x in values])
+        gathered = self.communicator.allgather(sums[None]).numpy()
+        if (gathered == gathered[0]).all():
+            return
+        averaged = self.communicator.allreduce(values, op="average")
+        for variable, value in zip(variables, averaged):
+            variable.assign(value)
