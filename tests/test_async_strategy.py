@@ -40,6 +40,18 @@ def test_delayed_averaging_swaps_each_own_step_for_the_average_s_steps_later(res
         assert max_relative_difference(rank0[case]["weights"], rank0[f"ref-stale-{case}"]) > 1e-3
 
 
+def test_validation_inside_fit_evaluates_the_average_of_the_workers_models(results):
+    # The workers differ by their last two steps when the epoch's validation runs: it reports the
+    # loss of their average, and every worker then trains on from its own model (the weights at
+    # the end equal the reference without validation).
+    rank0, rank1 = results
+    reference = rank0["ref-s2-validation"]
+    assert rank0["s2-validation"]["val_loss"] == rank1["s2-validation"]["val_loss"]
+    assert abs(rank0["s2-validation"]["val_loss"] - reference["average"]) <= 1e-5 * reference["average"]
+    assert abs(reference["own"] - reference["average"]) > 1e-3 * reference["average"]  # what it is not
+    assert max_relative_difference(rank0["s2-validation"]["weights"], rank0["ref-s2"]) < 1e-5
+
+
 @pytest.mark.parametrize("case", ["stale-s0", "stale-s1", "stale-s2"])
 def test_stale_gradients_apply_exactly_the_gradient_of_step_t_minus_s(results, case):
     rank0, _ = results

@@ -17,8 +17,8 @@ unless another candidate is predicted at least 5% faster. Rank 0's pick is broad
 prints it and why, and the next step runs it. The candidates (`default_candidates`) are sync and
 the compressed presets that stayed within 1 pp of sync in every cell of the preset grid
 (benchmarks/results/preset_grid.md, summarised in `tfdp.presets.accuracy`): today fp16, bf16,
-qsgd and powersgd-r4; top-k, EF-sign and the asynchronous presets lose accuracy on some
-configurations, so they are never picked for you.
+qsgd, topk-1pct, efsign and powersgd-r4. The asynchronous presets are not candidates: they
+change when the workers wait, which the cost model of one synchronous step does not predict.
 
 The pick is saved in checkpoints with the reducer state; a resumed job runs it from its first
 step (see `tfdp.reducers.SwitchingReducer`).

@@ -51,15 +51,18 @@ class Recorder(keras.callbacks.Callback):
         self.checksums.append(float(sum(np.abs(w).sum() for w in self.model.get_weights())))
 
 
-def fit(strategy, delay=0.0, save_to=None):
+def fit(strategy, delay=0.0, save_to=None, validate=False):
     x, y = data()
     with strategy.scope():
         model = mlp()
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     recorder = Recorder(delay)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder],
+                        validation_data=validation_data() if validate else None)
     result = {"weights": [w.tolist() for w in model.get_weights()], "times": recorder.times,
               "checksums": recorder.checksums, "stats": strategy.communication_stats()}
+    if validate:
+        result["val_loss"] = float(history.history["val_loss"][-1])
     if save_to is not None:
         # The rest of the contract: global evaluate, in-order predict, save on rank 0.
         result["evaluate"] = float(model.evaluate(x, y, batch_size=BATCH, verbose=0))
@@ -93,6 +96,11 @@ def reference_stale(staleness):
     return [w.tolist() for w in model.get_weights()]
 
 
+def validation_data():
+    x, y = data()
+    return x[:BATCH * 2], y[:BATCH * 2] + 0.5
+
+
 def own_step(model, x, y, rank, t, workers):
     """Worker `rank`'s SGD step on its half of global batch t (a full step on its rows)."""
     per_worker = BATCH // workers
@@ -104,9 +112,28 @@ def own_step(model, x, y, rank, t, workers):
     return steps
 
 
-def reference_delayed_averaging(staleness, workers=2):
-    """Each worker takes its own step; s steps later the workers' average replaces it; fit's end
-    swaps in what is in flight and averages the models."""
+def mse(weights, x, y):
+    model = mlp()
+    model.set_weights(weights)
+    return float(np.mean((model(x).numpy() - y) ** 2))
+
+
+def reference_validation_losses(staleness, workers=2):
+    """Validation at the end of the epoch, before fit's end swaps in what is in flight: the loss
+    of the workers' average model, and (what validation would report without averaging) the
+    mean over the workers of each one's own model's loss on its half of the rows."""
+    replicas, _ = delayed_averaging_replicas(staleness, workers)
+    vx, vy = validation_data()
+    weights = [r.get_weights() for r in replicas]
+    mean = [np.mean(ws, axis=0) for ws in zip(*weights)]
+    half = len(vx) // workers
+    own = np.mean([mse(w, vx[r * half:(r + 1) * half], vy[r * half:(r + 1) * half]) for r, w in enumerate(weights)])
+    return {"average": mse(mean, vx, vy), "own": float(own)}
+
+
+def delayed_averaging_replicas(staleness, workers=2):
+    """The workers' models after every step of one epoch, and the swap still to make for each
+    step in flight."""
     x, y = data()
     replicas = [mlp() for _ in range(workers)]
     own = [[] for _ in range(workers)]
@@ -122,6 +149,13 @@ def reference_delayed_averaging(staleness, workers=2):
             own[r].append(own_step(model, x, y, r, t, workers))
         if t >= staleness:
             swap_oldest()
+    return replicas, (swap_oldest, own)
+
+
+def reference_delayed_averaging(staleness, workers=2):
+    """Each worker takes its own step; s steps later the workers' average replaces it; fit's end
+    swaps in what is in flight and averages the models."""
+    replicas, (swap_oldest, own) = delayed_averaging_replicas(staleness, workers)
     while own[0]:
         swap_oldest()
     for vs in zip(*(m.trainable_variables for m in replicas)):
@@ -151,6 +185,7 @@ CASES = {
     "s0": lambda: fit(tfdp.AsyncStrategy(staleness=0)),
     "s1": lambda: fit(tfdp.AsyncStrategy(staleness=1), save_to=OUT / "s1.keras"),
     "s2": lambda: fit(tfdp.AsyncStrategy(staleness=2)),
+    "s2-validation": lambda: fit(tfdp.AsyncStrategy(staleness=2), validate=True),
     "stale-s0": lambda: fit(tfdp.AsyncStrategy(staleness=0, method="stale_gradients")),
     "stale-s1": lambda: fit(tfdp.AsyncStrategy(staleness=1, method="stale_gradients")),
     "stale-s2": lambda: fit(tfdp.AsyncStrategy(staleness=2, method="stale_gradients")),
@@ -165,6 +200,7 @@ REFERENCES = {
     "ref-s0": lambda: reference_delayed_averaging(0),
     "ref-s1": lambda: reference_delayed_averaging(1),
     "ref-s2": lambda: reference_delayed_averaging(2),
+    "ref-s2-validation": lambda: reference_validation_losses(2),
     "ref-stale-s0": lambda: reference_stale(0),
     "ref-stale-s1": lambda: reference_stale(1),
     "ref-stale-s2": lambda: reference_stale(2),

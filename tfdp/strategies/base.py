@@ -168,6 +168,20 @@ class HorovodStrategy(tf.distribute.Strategy):
         if model.optimizer is not None and self.gradient_reducer.unsettled():
             self._finish_in_flight(model.optimizer)
 
+    def average_for_validation(self, model):
+        """Inside `fit`, where the workers' models differ: give every rank their average for
+        validation (one all-reduce of the trainable weights, counted in ``payload_bytes``, not
+        as gradient bytes) and return ``(variable, this rank's own value)`` pairs to restore
+        after it; None where the models are the same."""
+        reducer = self.gradient_reducer
+        if self.extended.communicator.size == 1 or not (reducer.optimizer_state_per_rank and reducer.unsettled()):
+            return None
+        variables = list(model.trainable_weights)
+        own = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        for variable, average in zip(variables, self.extended.communicator.allreduce(own, op="average")):
+            variable.assign(average)
+        return list(zip(variables, own))
+
     def _finish_in_flight(self, optimizer):
         def apply_gradients(grads, variables, applying=None):
             with gradients_reduced():

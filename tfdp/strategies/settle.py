@@ -6,7 +6,8 @@ every rank at the end of training and before each checkpoint that ModelCheckpoin
 BackupAndRestore will write, so a checkpoint holds a complete, consistent state: no
 stale gradient left in flight, every rank's error-feedback residuals. An `evaluate` or
 `predict` outside `fit` first makes the workers' models one, if they may differ (after
-`train_on_batch` steps); validation inside `fit` runs each worker's own model.
+`train_on_batch` steps). Validation inside `fit` evaluates the average of the workers'
+models where they differ, then every worker goes on training from its own.
 """
 
 import keras
@@ -23,6 +24,7 @@ class SettleState(keras.callbacks.Callback):
         self.strategy = strategy
         self.checkpointers = checkpoint_callbacks(callbacks)
         self._training = False
+        self._own_weights = None
 
     def on_train_begin(self, logs=None):
         self._training = True
@@ -30,6 +32,14 @@ class SettleState(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         if not self._training:
             self.strategy.settle_before_inference(self.model)
+        else:
+            self._own_weights = self.strategy.average_for_validation(self.model)
+
+    def on_test_end(self, logs=None):
+        if self._own_weights is not None:
+            for variable, own in self._own_weights:
+                variable.assign(own)
+            self._own_weights = None
 
     def on_predict_begin(self, logs=None):
         self.strategy.settle_before_inference(self.model)
