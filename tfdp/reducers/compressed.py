@@ -100,7 +100,7 @@ class CompressedGradients(GradientReducer):
         self._corrected = None  # (positions, keys, compressed-now flag) of the step being traced
         self._compresses_updates = False
         self._before_update = None  # the variables' values before the update of the step being traced
-        self._residual_variables = {}  # local residual: every variable whose model differs by rank
+        self._consensus_variables = {}  # local residual: id -> (variable, its consensus)
         # Local residual: steps since the models were last averaged (the workers' models differ).
         self._unsettled_steps = local_variable(tf.constant(0, tf.int64), "tfdp_unsettled_steps")
 
@@ -173,13 +173,14 @@ class CompressedGradients(GradientReducer):
         """A copy of the optimizer's momentum buffer (the same on every rank)."""
         return self.state.variable(f"{key}/optimizer_momentum", lambda: tf.zeros(variable.shape, variable.dtype))
 
-    def _compressed(self, grads, keys, variables, step, opt, correct):
+    def _compressed(self, grads, keys, variables, step, opt, correct, feedback=True):
         if correct:
             grads = [self._accumulate(k, v, g, opt, step) for k, v, g in zip(keys, variables, grads)]
-        if self.memory is not None:
-            grads = [self.memory.compensate(k, g) for k, g in zip(keys, grads)]
+        memory = self.memory if feedback else None
+        if memory is not None:
+            grads = [memory.compensate(k, g) for k, g in zip(keys, grads)]
         summed, sent = self.codec.exchange(grads, keys, step, self.communicator, self.state)
-        if self.memory is not None:
+        if memory is not None:
             for k, g, s in zip(keys, grads, sent):
                 self.memory.update(k, g, s)
             if correct and self.codec.name in _SPARSIFYING:
@@ -205,10 +206,12 @@ class CompressedGradients(GradientReducer):
 
     def before_update(self, variables, optimizer=None):
         """Update compression: remember the weights before this worker's step (read before the
-        optimizer writes: automatic control dependencies keep program order)."""
+        optimizer writes: automatic control dependencies keep program order). A local residual
+        needs no copy: the consensus it keeps is the reference."""
         self._configure(optimizer_view(optimizer))
         if self._compresses_updates:
-            self._before_update = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+            self._before_update = [] if self.local_residual else [tf.identity(tf.convert_to_tensor(v))
+                                                                  for v in variables]
 
     def after_update(self, variables, updated=None):
         """Update compression: exchange each worker's step; every rank moves by their average
@@ -217,27 +220,47 @@ class CompressedGradients(GradientReducer):
             return
         before, self._before_update = self._before_update, None
         variables = list(variables)
+        if self.local_residual:
+            exchange = lambda: self._exchange_with_consensus(variables)  # noqa: E731
+        else:
+            exchange = lambda: self._exchange_steps(variables, before)  # noqa: E731
         if updated is None:
-            self._exchange_steps(variables, before)
+            exchange()
         else:  # gradient accumulation: only the calls that apply the accumulated gradients
-            tf.cond(updated, lambda: self._exchange_steps(variables, before), lambda: tf.constant(False))
+            tf.cond(updated, exchange, lambda: tf.constant(False))
 
     def _exchange_steps(self, variables, before):
         steps = [tf.convert_to_tensor(v) - b for v, b in zip(variables, before)]
-        summed, sent = self._exchange(steps, variables, None, correct=False)
-        if self.local_residual:
-            self._residual_variables.update((id(v), v) for v in variables)
-            self._unsettled_steps.assign_add(1)
-            for variable, total, own in zip(variables, summed, sent):
-                variable.assign_add(total / self.communicator.size - own)
-        else:
-            for variable, start, total in zip(variables, before, summed):
-                variable.assign(start + total / self.communicator.size)
+        summed, _ = self._exchange(steps, variables, None, correct=False)
+        for variable, start, total in zip(variables, before, summed):
+            variable.assign(start + total / self.communicator.size)
         return tf.constant(True)
 
-    def _exchange(self, grads, variables, opt, correct):
+    def _consensus(self, variable):
+        """The weights every rank agrees on: the worker's own model minus its residual."""
+        return self.state.variable(f"{variable_key(variable)}/consensus",
+                                   lambda: tf.identity(tf.convert_to_tensor(variable)))
+
+    def _exchange_with_consensus(self, variables):
+        """Local residual: send (compressed) what this model is ahead of the consensus, i.e. its
+        steps since and what compression held back before; the consensus moves by the average of
+        what arrives, the model by that minus what it sent. Its residual is model minus consensus,
+        error feedback without a variable of its own, and no copy of the weights before the step."""
+        consensus = [self._consensus(v) for v in variables]
+        ahead = [tf.convert_to_tensor(v) - c for v, c in zip(variables, consensus)]
+        summed, sent = self._exchange(ahead, variables, None, correct=False, feedback=False)
+        self._consensus_variables.update((id(v), (v, c)) for v, c in zip(variables, consensus))
+        self._unsettled_steps.assign_add(1)
+        for variable, agreed, total, own in zip(variables, consensus, summed, sent):
+            average = total / self.communicator.size
+            agreed.assign_add(average)
+            variable.assign_add(average - own)
+        return tf.constant(True)
+
+    def _exchange(self, grads, variables, opt, correct, feedback=True):
         """The summed exchange of `grads` (one per variable): the large ones compressed after
-        any dense warm-up steps, the small ones dense; counts the step."""
+        any dense warm-up steps (with error feedback unless `feedback` is False), the small ones
+        dense; counts the step. Returns the sums and what this worker's payloads stand for."""
         large = [i for i, g in enumerate(grads) if g.shape.num_elements() * 4 >= self.min_compress_bytes]
         small = [i for i in range(len(grads)) if i not in large]
         step = tf.convert_to_tensor(self._step)
@@ -245,7 +268,7 @@ class CompressedGradients(GradientReducer):
         chosen = [grads[i] for i in large]
 
         def compressed():
-            return self._compressed(chosen, keys, [variables[i] for i in large], step, opt, correct)
+            return self._compressed(chosen, keys, [variables[i] for i in large], step, opt, correct, feedback)
 
         def dense():
             return self.communicator.allreduce(chosen, op="sum", gradients=True), list(chosen)
@@ -271,22 +294,18 @@ class CompressedGradients(GradientReducer):
         return self.communicator.size > 1 and int(self._unsettled_steps.numpy()) > 0
 
     def settle(self, apply_gradients=None, optimizer=None):
-        """With `local_residual`: average the workers' models once and forget the residuals
-        (their mean is now in every model)."""
+        """With `local_residual`: average the workers' models once; that average is the
+        consensus from then on (the residuals' mean is in it)."""
         if not self.unsettled():
             return
         self._unsettled_steps.assign(0)
-        variables = list(self._residual_variables.values())
+        pairs = list(self._consensus_variables.values())
         self.communicator.stats.add("rounds", 1)
-        averaged = self.communicator.allreduce([tf.convert_to_tensor(v) for v in variables], op="average",
+        averaged = self.communicator.allreduce([tf.convert_to_tensor(v) for v, _ in pairs], op="average",
                                                gradients=True)
-        for variable, value in zip(variables, averaged):
+        for (variable, agreed), value in zip(pairs, averaged):
             variable.assign(value)
-        if self.memory is not None:
-            for variable in variables:
-                key = f"{variable_key(variable)}/residual"
-                if key in self.state:
-                    self.state.variable(key, None).assign(tf.zeros_like(variable))
+            agreed.assign(value)
 
     def _after_reduce(self, grads, variables, opt):
         if self._corrected is None:

@@ -4,7 +4,8 @@ A compressed step adds compute a dense step does not have: compressing every gra
 decompressing what arrives, keeping the error-feedback residual. `compressor_seconds` runs a
 preset's own reducer (`CompressedGradients`, as `CompressedStrategy` builds it, after its
 warm-up) over random gradients of the given shapes on a one-worker communicator, so nothing
-travels and what is timed is that compute. The advisor adds it to its prediction.
+travels and what is timed is that compute (with the update itself, one pass over the weights
+that a dense step makes too). The advisor adds it to its prediction.
 
 Example:
     >>> compressor_seconds("topk-1pct", [(1024, 1024), (1024,)])  # seconds per step
@@ -43,7 +44,13 @@ def compressor_seconds(preset, shapes, repeats=5, seed=0):
 
     @tf.function
     def step():
-        return [tf.reduce_sum(g) for g in reducer.reduce(grads, variables) if g is not None]
+        # The whole protocol: presets that exchange each worker's step (local residual) do
+        # their compression after the update.
+        reducer.before_update(variables)
+        for variable, grad in zip(variables, reducer.reduce(grads, variables)):
+            variable.assign_sub(grad)
+        reducer.after_update(variables)
+        return [tf.reduce_sum(v) for v in variables]
 
     step()  # trace
     seconds = []
