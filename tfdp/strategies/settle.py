@@ -63,8 +63,9 @@ class AgreeOnWeights(keras.callbacks.Callback):
     A callback may replace the weights when training ends: `EarlyStopping(restore_best_weights=True)`
     restores the weights it copied at the best epoch, and where the workers apply their own steps
     (delayed averaging, local residuals, local SGD) each rank copied its own. tfdp adds this
-    callback after the user's: one small all-gather of each variable's sum and sum of squares
-    tells whether the ranks differ, and only then are the models averaged.
+    callback after the user's: one small all-gather of each trainable variable's sum and sum of
+    squares tells whether the ranks differ, and only then are they averaged. Non-trainable state
+    is left alone: batch norm's moving statistics are each rank's own, as under tf.distribute.
     """
 
     def __init__(self, communicator):
@@ -72,7 +73,7 @@ class AgreeOnWeights(keras.callbacks.Callback):
         self.communicator = communicator
 
     def on_train_end(self, logs=None):
-        variables = [v for v in self.model.weights if keras.backend.is_float_dtype(v.dtype)]
+        variables = [v for v in self.model.trainable_weights if keras.backend.is_float_dtype(v.dtype)]
         if not variables:
             return
         values = [tf.convert_to_tensor(v) for v in variables]
