@@ -138,7 +138,8 @@ class HorovodStrategy(tf.distribute.Strategy):
 
     def closing_callbacks(self, model=None):
         """Callbacks tfdp adds (last, on every rank) to `fit`, `evaluate` and `predict`."""
-        return [AgreeOnWeights(self.extended.communicator)] if self.extended.communicator.size > 1 else []
+        communicator = self.extended.communicator
+        return [AgreeOnWeights(communicator, self.gradient_reducer)] if communicator.size > 1 else []
 
     def step_failed(self, error):
         """A training or test step raised `error`: on a job that spans hosts, name the hosts that no longer answer."""

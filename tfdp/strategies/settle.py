@@ -66,13 +66,18 @@ class AgreeOnWeights(keras.callbacks.Callback):
     callback after the user's: one small all-gather of each trainable variable's sum and sum of
     squares tells whether the ranks differ, and only then are they averaged. Non-trainable state
     is left alone: batch norm's moving statistics are each rank's own, as under tf.distribute.
+    Where every worker applies the same updates (sync, stale gradients) the copies cannot differ
+    and nothing is checked.
     """
 
-    def __init__(self, communicator):
+    def __init__(self, communicator, reducer):
         super().__init__()
         self.communicator = communicator
+        self.reducer = reducer
 
     def on_train_end(self, logs=None):
+        if not self.reducer.optimizer_state_per_rank:
+            return
         variables = [v for v in self.model.trainable_weights if keras.backend.is_float_dtype(v.dtype)]
         if not variables:
             return
