@@ -4,7 +4,10 @@ Cost model (steady state, P workers, link bandwidth B bytes/s, latency a per col
 
 - ring all-reduce of b bytes: each worker sends 2 (P - 1) / P x b;
 - ring all-gather of b bytes per worker: each worker sends (P - 1) x b;
-- communication time M = bytes sent / B + a x collectives;
+- communication time M = bytes sent / B + a x collectives, where an all-gather's bytes count
+  `ALLGATHER_SLOWDOWN` times: Horovod's Gloo all-gather takes about twice its ring wire time
+  (`benchmarks/collectives_on_link.py`: 2 MB per worker, 2 hosts at 100 Mbit/s, 317 ms against
+  167-176 ms for a reduce-scatter of the same bytes);
 - synchronous and compressed presets: C + M; bounded staleness s >= 1: max(C, M);
   local SGD every H steps: C + M / H.
 - workers of different speeds (relative speeds v_r, 1 = the worker C was measured on):
@@ -32,6 +35,8 @@ from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
 
 
 ROW_COUNT_BYTES = 4
+#: Seconds an all-gather takes per second its bytes need on the wire (measured, see above).
+ALLGATHER_SLOWDOWN = 2.0
 #: Sync's all-reduce sends each rank's row count and its square (equal rows need no weighting).
 EVEN_ROWS_BYTES = 8
 
@@ -108,8 +113,10 @@ def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_s
         compute_seconds += compressor_seconds
     payloads, collectives = exchange(options, kind, shapes)
     sent = sum(ring_bytes(b, workers, how) for b, how in payloads)
+    wire = sum(ring_bytes(b, workers, how) * (ALLGATHER_SLOWDOWN if how == "allgather" else 1.0)
+               for b, how in payloads)
     payload = sum(b for b, _ in payloads)
-    comm = sent / bandwidth_bytes + (latency_seconds * collectives if workers > 1 else 0.0)
+    comm = wire / bandwidth_bytes + (latency_seconds * collectives if workers > 1 else 0.0)
     every = options.get("sync_every") if kind == "async" else None
     staleness = options.get("staleness", 1) if kind == "async" and every is None else 0
     if every:
