@@ -93,7 +93,7 @@ def main():
             raise SystemExit(run.output[-4000:])
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
     rates = {k: [min(a, b) for a, b in zip(ranks[0][k], ranks[1][k])] for k in ranks[0]}
-    print(f"| variant | steps/s (median) | vs horovod-fit | vs horovod loop |\n|---|---|---|---|")
+    print("| variant | steps/s (median) | vs horovod-fit | vs horovod loop |\n|---|---|---|---|")
     for name, values in rates.items():
         fit = statistics.median(a / b for a, b in zip(values, rates["horovod-fit"]))
         loop = statistics.median(a / b for a, b in zip(values, rates["horovod-loop"]))
