@@ -199,11 +199,25 @@ def test_program_matches_one_process_under_uneven_shares(results, balanced_resul
     """The same programs with `balance=[0.7, 0.3]`: rank 0 trains on 70% of every batch, and the
     numbers still equal one process's (programs whose reference is tf.distribute are per-replica
     by Keras's definition, so uneven shares change them by design)."""
-    reference = without_per_output_losses(results["plain-rank0"][name])
-    ours, other_rank = (without_per_output_losses(balanced_results[f"rank{r}"][name]) for r in (0, 1))
+    reference = row_counted(name, results["plain-rank0"][name])
+    ours, other_rank = (row_counted(name, balanced_results[f"rank{r}"][name]) for r in (0, 1))
     assert "error" not in ours, ours.get("traceback")
+    assert "weights" in ours
     assert relative_difference(ours, reference) <= TOLERANCES.get(name, RTOL)
     assert relative_difference(other_rank, ours, across_ranks=True) == 0.0
+
+
+# Programs whose own metrics count batches, not rows: the Keras GAN guide's pattern,
+# `tracker.update_state(loss)` once per step. Across workers (under tf.distribute as under tfdp)
+# such a metric is the mean of the workers' per-batch means, the global mean for equal shares
+# only (70/30 shares: 0.4197 against one process's 0.4039 in epoch 1, weights equal to 6e-8).
+BATCH_COUNTED_HISTORY = {"two_optimizers_custom_step"}
+
+
+def row_counted(name, result):
+    """`result` without what counts batches rather than rows (see `without_per_output_losses`)."""
+    result = without_per_output_losses(result)
+    return {k: v for k, v in result.items() if k != "history"} if name in BATCH_COUNTED_HISTORY else result
 
 
 def without_per_output_losses(result):
