@@ -71,3 +71,31 @@ def test_install_is_idempotent():
     before = [getattr(owner, name) for owner, name in keras_hooks.hooked_functions()]
     tfdp._compat.install()
     assert before == [getattr(owner, name) for owner, name in keras_hooks.hooked_functions()]
+
+
+def recorded(method, name, calls):
+    @functools.wraps(method)
+    def record(*args, **kwargs):
+        calls.append(name)
+        return method(*args, **kwargs)
+
+    return record
+
+
+def test_the_reducer_hears_of_an_update_before_it_reduces_under_loss_scaling():
+    # Under a LossScaleOptimizer the reduction runs in its `apply`, before the inner optimizer's
+    # update: reducers that keep state per update (local SGD's counters, the optimizer stale
+    # gradients settle with) must hear of the update first, once (local SGD failed at trace).
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    strategy = tfdp.MirroredStrategy()
+    reducer, calls = strategy.gradient_reducer, []
+    for name in ("before_update", "reduce", "after_update"):
+        setattr(reducer, name, recorded(getattr(reducer, name), name, calls))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert calls[:3] == ["before_update", "reduce", "after_update"]
+    assert calls.count("before_update") == calls.count("after_update") >= 1

@@ -203,11 +203,19 @@ def _reduce_before_apply(method):
         if reducer is None or reducer.shards_optimizer_state:  # a sharded inner optimizer reduces its shards
             return method(self, grads, trainable_variables)
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-        grads = _reduce(reducer, grads, variables, self)
-        if reducer.optimizer_state_per_rank:
-            grads = _non_finite_anywhere_is_non_finite_everywhere(reducer.communicator, grads)
-        with gradients_reduced():
-            return method(self, grads, trainable_variables)
+        # The reducer hears of the update before it reduces, as without loss scaling, and
+        # from the optimizer it was handed (still-scaled gradients: settle must apply them
+        # through the loss scaling); the inner optimizer's update does not announce it again.
+        reducer.before_update(variables, self)
+        previous, _state.update_announced = getattr(_state, "update_announced", False), True
+        try:
+            grads = _reduce(reducer, grads, variables, self)
+            if reducer.optimizer_state_per_rank:
+                grads = _non_finite_anywhere_is_non_finite_everywhere(reducer.communicator, grads)
+            with gradients_reduced():
+                return method(self, grads, trainable_variables)
+        finally:
+            _state.update_announced = previous
 
     wrapper._tfdp_original = method
     return wrapper
@@ -283,7 +291,8 @@ def _around_update(method):
         if reducer is not None:
             if self.gradient_accumulation_steps:
                 updated = (self._iterations + 1) % self.gradient_accumulation_steps == 0
-            reducer.before_update(trainable_variables, self)
+            if not getattr(_state, "update_announced", False):
+                reducer.before_update(trainable_variables, self)
         try:
             if counter is not None:
                 result = _update_unless_nonfinite(method, self, grads, trainable_variables, counter)
