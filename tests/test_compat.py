@@ -99,3 +99,14 @@ def test_the_reducer_hears_of_an_update_before_it_reduces_under_loss_scaling():
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert calls[:3] == ["before_update", "reduce", "after_update"]
     assert calls.count("before_update") == calls.count("after_update") >= 1
+
+
+def test_a_model_never_compiled_predicts_under_tfdp():
+    # Keras's own trainer tests predict with models never compiled (no `optimizer` attribute at
+    # all); tfdp settles before inference and must not need one.
+    strategy = tfdp.MirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    x = np.ones((8, 4), "float32")
+    np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0), model(x).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(model.predict_on_batch(x), model(x).numpy(), rtol=1e-6)

@@ -166,8 +166,9 @@ class HorovodStrategy(tf.distribute.Strategy):
         """Outside `fit`, before `evaluate`/`predict` (and their `*_on_batch`): where the workers'
         models may differ (steps taken with `train_on_batch` under an asynchronous or local-residual
         preset), make them one. A collective, run on every rank; the same decision on each."""
-        if model.optimizer is not None and self.gradient_reducer.unsettled():
-            self._finish_in_flight(model.optimizer)
+        optimizer = getattr(model, "optimizer", None)  # a model never compiled has no attribute
+        if optimizer is not None and self.gradient_reducer.unsettled():
+            self._finish_in_flight(optimizer)
 
     def average_for_validation(self, model):
         """Inside `fit`, where the workers' models differ: give every rank their average for
