@@ -113,10 +113,11 @@ def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_s
         compute_seconds += compressor_seconds
     payloads, collectives = exchange(options, kind, shapes)
     sent = sum(ring_bytes(b, workers, how) for b, how in payloads)
-    wire = sum(ring_bytes(b, workers, how) * (ALLGATHER_SLOWDOWN if how == "allgather" else 1.0)
-               for b, how in payloads)
+    # The bytes' time on the link: an all-gather's count `ALLGATHER_SLOWDOWN` times.
+    timed_bytes = sum(ring_bytes(b, workers, how) * (ALLGATHER_SLOWDOWN if how == "allgather" else 1.0)
+                      for b, how in payloads)
     payload = sum(b for b, _ in payloads)
-    comm = wire / bandwidth_bytes + (latency_seconds * collectives if workers > 1 else 0.0)
+    comm = timed_bytes / bandwidth_bytes + (latency_seconds * collectives if workers > 1 else 0.0)
     every = options.get("sync_every") if kind == "async" else None
     staleness = options.get("staleness", 1) if kind == "async" and every is None else 0
     if every:
