@@ -157,6 +157,17 @@ def gradients_reduced(clipped=False):
         _state.reduced, _state.clipped = previous
 
 
+@contextlib.contextmanager
+def _update_announced():
+    """Within this block the reducer has heard of the update (`before_update`) already."""
+    previous = getattr(_state, "update_announced", False)
+    _state.update_announced = True
+    try:
+        yield
+    finally:
+        _state.update_announced = previous
+
+
 def _reducer_to_apply(optimizer):
     """`optimizer`'s reducer, or None when there is none or the gradients are already reduced."""
     if getattr(_state, "reduced", False):
@@ -207,15 +218,12 @@ def _reduce_before_apply(method):
         # from the optimizer it was handed (still-scaled gradients: settle must apply them
         # through the loss scaling); the inner optimizer's update does not announce it again.
         reducer.before_update(variables, self)
-        previous, _state.update_announced = getattr(_state, "update_announced", False), True
-        try:
+        with _update_announced():
             grads = _reduce(reducer, grads, variables, self)
             if reducer.optimizer_state_per_rank:
                 grads = _non_finite_anywhere_is_non_finite_everywhere(reducer.communicator, grads)
             with gradients_reduced():
                 return method(self, grads, trainable_variables)
-        finally:
-            _state.update_announced = previous
 
     wrapper._tfdp_original = method
     return wrapper
