@@ -130,6 +130,23 @@ def test_compressor_timing_measures_real_compute_and_is_zero_for_presets_that_do
     assert 0 < compressor_seconds("fp16", shapes, repeats=3) < 5.0
 
 
+def test_compressor_timing_frees_what_it_timed_before_it_returns(monkeypatch):
+    import gc
+    import weakref
+
+    from tfdp.tools import codec_timing
+
+    timed = []
+    build = codec_timing.preset_reducer
+    monkeypatch.setattr(codec_timing, "preset_reducer", lambda *a: timed.append(weakref.ref(r := build(*a))) or r)
+    gc.disable()  # only the collection compressor_seconds makes itself may free the cycles
+    try:
+        codec_timing.compressor_seconds("topk-1pct", [(256, 256)], repeats=1)
+        assert len(timed) == 1 and timed[0]() is None
+    finally:
+        gc.enable()
+
+
 def test_nothing_beats_sync_when_compression_compute_exceeds_the_wire_time_it_saves():
     # 10 Gbit/s, 25 M parameters, 8 workers: sync spends 140 ms a step on the wire, PowerSGD
     # 1 ms. With 150 ms of compression compute (as measured on a slow CPU) none is worth it.

@@ -11,6 +11,7 @@ Example:
     >>> compressor_seconds("topk-1pct", [(1024, 1024), (1024,)])  # seconds per step
 """
 
+import gc
 import statistics
 import time
 
@@ -58,6 +59,11 @@ def compressor_seconds(preset, shapes, repeats=5, seed=0):
         start = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - start)
+    # A traced tf.function sits in reference cycles with what it captured; without a collection
+    # here the advisor holds every timed preset's residuals and weights at once (on a 6 M
+    # parameter model, 180 MB more peak memory over the six candidates).
+    del step, reducer, variables, grads
+    gc.collect()
     return statistics.median(seconds)
 
 
