@@ -99,6 +99,11 @@ class StrategyHooks(abc.ABC):
         """`evaluate`, `predict`, `test_on_batch` or `predict_on_batch` starts outside `fit` (on every
         rank): make the workers' models one model, if they may differ."""
 
+    def reads_reduced_together(self, variables):
+        """A context manager: within it, reading any of `variables` outside a step gives its global
+        value from one exchange made on entry for all of them, not one exchange per read."""
+        return contextlib.nullcontext()
+
 
 INFINITE, UNKNOWN = -1, -2  # tf.data's cardinality codes
 
@@ -785,6 +790,44 @@ def _patch_reset_metrics():
     trainer.Trainer.reset_metrics = reset_metrics
 
 
+def _patch_metric_variables():
+    # keras/src/trainers/trainer.py: `get_metrics_result` reads every metric's variables
+    # outside a step (the end of every epoch and of evaluate). Under a tf.distribute strategy
+    # they are SyncOnReadVariables, and each read is an exchange of its own; the strategy
+    # reduces them together instead.
+    # keras/src/backend/tensorflow/core.py: `Variable._direct_assign(value)` (every metric
+    # reset) discards what the tf.Variable's `assign` returns, and a SyncOnReadVariable's
+    # returns the value read back: an exchange per variable for nothing.
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import core
+    from keras.src.trainers import trainer
+
+    from tfdp._compat.tensorflow import SyncOnReadVariable
+
+    original_result = trainer.Trainer.get_metrics_result
+    original_assign = core.Variable._direct_assign
+
+    @functools.wraps(original_result)
+    def get_metrics_result(self):
+        hooks = _strategy_hooks(getattr(self, "_distribute_strategy", None))
+        if hooks is None:
+            return original_result(self)
+        with hooks.reads_reduced_together([v.value for metric in self.metrics for v in metric.variables]):
+            return original_result(self)
+
+    @functools.wraps(original_assign)
+    def _direct_assign(self, value):
+        if isinstance(self._value, SyncOnReadVariable) and _strategy_hooks(self._value.distribute_strategy):
+            self._value.assign(tf.cast(value, self._value.dtype), read_value=False)
+        else:
+            original_assign(self, value)
+
+    get_metrics_result._tfdp_original = original_result
+    _direct_assign._tfdp_original = original_assign
+    trainer.Trainer.get_metrics_result = get_metrics_result
+    core.Variable._direct_assign = _direct_assign
+
+
 def _patch_on_batch():
     # keras/src/backend/tensorflow/trainer.py: `train_on_batch(x, y, sample_weight,
     # class_weight, return_dict)`, `test_on_batch(x, y, sample_weight, return_dict)` and
@@ -928,12 +971,14 @@ def install():
     _patch_step_function("train")
     _patch_step_function("test")
     _patch_reset_metrics()
+    _patch_metric_variables()
     _patch_compile()
     _installed = True
 
 
 def hooked_functions():
     """(owner, name) of every function `install` replaces, for tests."""
+    from keras.src.backend.tensorflow import core
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.callbacks import callback_list
@@ -958,6 +1003,8 @@ def hooked_functions():
         (tf_trainer.TensorFlowTrainer, "make_train_function"),
         (tf_trainer.TensorFlowTrainer, "make_test_function"),
         (trainer.Trainer, "reset_metrics"),
+        (trainer.Trainer, "get_metrics_result"),
+        (core.Variable, "_direct_assign"),
         (trainer.Trainer, "compile"),
     ]
 

@@ -13,6 +13,10 @@ from tensorflow.python.distribute.mirrored_strategy import MirroredExtended  # n
 # tensorflow/python/distribute/values.py: a value known to be the same on every replica.
 from tensorflow.python.distribute.values import Mirrored  # noqa: F401
 
+# Same file: a variable each replica updates on its own and a cross-replica read reduces
+# (what Keras's metric variables become under a strategy).
+from tensorflow.python.distribute.values import SyncOnReadVariable  # noqa: F401
+
 
 def local_variable(initial_value, name):
     """Create a non-trainable variable outside any strategy's variable creator.

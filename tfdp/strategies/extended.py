@@ -15,8 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp._compat.keras import UNKNOWN, StrategyHooks
-from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, creating_local_variables, in_xla_context,
-                                     local_variable)
+from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVariable, creating_local_variables,
+                                     in_xla_context, local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, take_rows
@@ -79,6 +79,8 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         # This rank's rows since Keras last reset its metrics: step logs are running means over them.
         self._rows_since_reset = (balancer.epoch_rows if balancer is not None else
                                   local_variable(tf.constant(0, tf.int64), "tfdp_rows_since_metrics_reset"))
+        # id -> (SyncOnReadVariable, its global value) inside `reads_reduced_together`.
+        self._reduced_reads = {}
         super().__init__(container_strategy, devices=[replica_device()])
 
     @property
@@ -216,6 +218,9 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             return [tf.identity(s) for s in summed]
 
     def _reduce_to(self, reduce_op, value, destinations, options):
+        variable, reduced = self._reduced_reads.get(id(value), (None, None))
+        if variable is value:
+            return reduced
         if isinstance(value, Mirrored) and self._op_name(reduce_op) == "average":
             return self._local(value)  # Already the same on every worker.
         return self._all_reduce_structure(reduce_op, value)
@@ -268,7 +273,8 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         if reduction == "first" or (training and not self.global_step_logs):
             return values
         op = "sum" if reduction == "sum" else "average"
-        flat = tf.nest.flatten(values)
+        # A metric's `result()` may return its variable itself (a Keras variable: its dtype is a string).
+        flat = [tf.convert_to_tensor(t) if tf.is_tensor(t) else t for t in tf.nest.flatten(values)]
         floats = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_floating]
         ints = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_integer]
         # With steps_per_execution > 1 Keras runs steps in a tf.while_loop. Nothing orders
@@ -286,7 +292,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         for i, r in zip(floats, reduced):
             flat[i] = r
         for i, r in zip(ints, summed):
-            flat[i] = tf.math.truncatediv(r, tf.cast(self._size, r.dtype)) if op == "average" else r
+            flat[i] = tf.truncatediv(r, tf.cast(self._size, r.dtype)) if op == "average" else r
         return tf.nest.pack_sequence_as(values, flat)
 
     def _rows_weighted_average(self, means):
@@ -297,6 +303,27 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         summed = self.communicator.allreduce([tf.cast(m, tf.float32) * rows for m in means] + [rows], op="sum")
         *summed, total = summed
         return [tf.cast(tf.math.divide_no_nan(value, total), m.dtype) for value, m in zip(summed, means)]
+
+    @contextlib.contextmanager
+    def reads_reduced_together(self, variables):
+        on_read = [v for v in variables if isinstance(v, SyncOnReadVariable)
+                   and v.aggregation != tf.VariableAggregation.ONLY_FIRST_REPLICA]
+        if self._size == 1 or len(on_read) < 2 or not tf.executing_eagerly():
+            yield
+            return
+        groups = {}  # Horovod groups only tensors of one dtype.
+        for variable in on_read:
+            op = "sum" if variable.aggregation == tf.VariableAggregation.SUM else "average"
+            groups.setdefault((op, variable.dtype), []).append(variable)
+        reduced = {}
+        for (op, _), group in groups.items():
+            for variable, value in zip(group, self.communicator.allreduce([self._local(v) for v in group], op=op)):
+                reduced[id(variable)] = (variable, value)
+        previous, self._reduced_reads = self._reduced_reads, reduced
+        try:
+            yield
+        finally:
+            self._reduced_reads = previous
 
     def check_batch_size(self, batch_size):
         if batch_size is not None and batch_size < self._size:
