@@ -67,10 +67,6 @@ class StrategyHooks(abc.ABC):
         data the step should use (the same values, possibly ordered after the strategy's own ops)."""
 
     @abc.abstractmethod
-    def split_batch(self, structure):
-        """This rank's rows of one global batch (any nest of arrays or tensors, None kept)."""
-
-    @abc.abstractmethod
     def extra_callbacks(self, model, callbacks):
         """Callbacks to run before the user's in fit/evaluate/predict (on every rank)."""
 
@@ -106,6 +102,39 @@ class StrategyHooks(abc.ABC):
 
 
 INFINITE, UNKNOWN = -1, -2  # tf.data's cardinality codes
+
+
+@contextlib.contextmanager
+def _flag(name):
+    previous = getattr(_state, name, False)
+    setattr(_state, name, True)
+    try:
+        yield
+    finally:
+        setattr(_state, name, previous)
+
+
+def distributing_for_keras():
+    """True while Keras's epoch iterator distributes its dataset: it gets whole global batches,
+    and the step splits them (`step_takes_whole_batch`)."""
+    return getattr(_state, "distributing_for_keras", False)
+
+
+def step_takes_whole_batch():
+    """True while a Keras train, test or predict function runs (or traces): its `strategy.run`
+    receives a whole global batch, of which this rank takes its rows."""
+    return getattr(_state, "whole_batch", False)
+
+
+@contextlib.contextmanager
+def one_replica_step():
+    """Within this block the step runs on this rank's rows already (a nested `strategy.run` does not split)."""
+    previous = getattr(_state, "whole_batch", False)
+    _state.whole_batch = False
+    try:
+        yield
+    finally:
+        _state.whole_batch = previous
 
 
 def _strategy_hooks(strategy):
@@ -706,23 +735,17 @@ def checkpoint_callbacks(callbacks):
     return [c for c in callbacks or [] if isinstance(c, (ModelCheckpoint, BackupAndRestore))]
 
 
-def _split_on_batch_inputs(method, names, inference):
-    """Wrap `train_on_batch`/`test_on_batch`/`predict_on_batch`: each rank takes its rows of
-    the global batch, as `fit` does (Keras hands every replica the whole batch); `inference`:
-    the workers' models are made one first, as for `evaluate` and `predict`."""
+def _settle_before_inference(method):
+    """Wrap `test_on_batch`/`predict_on_batch`: the workers' models are made one first, as for
+    `evaluate` and `predict`. (Each rank takes its rows of the global batch inside the step,
+    as in `fit`; `train_on_batch` needs nothing more.)"""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         hooks = _strategy_hooks(self._distribute_strategy)
-        if hooks is None:
-            return method(self, *args, **kwargs)
-        bound = dict(zip(names, args), **kwargs)
-        for name in names:
-            if name in bound:
-                bound[name] = hooks.split_batch(bound[name])
-        if inference:
+        if hooks is not None:
             hooks.before_inference(self)
-        return method(self, **bound)
+        return method(self, *args, **kwargs)
 
     wrapper._tfdp_original = method
     return wrapper
@@ -758,7 +781,8 @@ def _patch_step_function(kind):
             # The step is traced inside this call: its output reduction learns its kind.
             outer, _state.step_kind = getattr(_state, "step_kind", None), kind
             try:
-                return function(iterator)
+                with _flag("whole_batch"):
+                    return function(iterator)
             except tf.errors.OpError as error:
                 hooks.step_failed(error)
                 raise
@@ -770,6 +794,31 @@ def _patch_step_function(kind):
 
     make_function._tfdp_original = original
     setattr(tf_trainer.TensorFlowTrainer, maker, make_function)
+
+
+def _patch_predict_function():
+    # keras/src/backend/tensorflow/trainer.py: `make_predict_function` builds
+    # `predict_function(data)`, whose `strategy.run` gets each global batch (tfdp splits it).
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original = tf_trainer.TensorFlowTrainer.make_predict_function
+
+    @functools.wraps(original)
+    def make_predict_function(self, force=False):
+        if _strategy_hooks(self._distribute_strategy) is None or (self.predict_function is not None and not force):
+            return original(self, force)
+        original(self, force)
+        function = self.predict_function
+
+        def whole_batch_function(data):
+            with _flag("whole_batch"):
+                return function(data)
+
+        self.predict_function = whole_batch_function
+        return whole_batch_function
+
+    make_predict_function._tfdp_original = original
+    tf_trainer.TensorFlowTrainer.make_predict_function = make_predict_function
 
 
 def _patch_reset_metrics():
@@ -829,16 +878,13 @@ def _patch_metric_variables():
 
 
 def _patch_on_batch():
-    # keras/src/backend/tensorflow/trainer.py: `train_on_batch(x, y, sample_weight,
-    # class_weight, return_dict)`, `test_on_batch(x, y, sample_weight, return_dict)` and
-    # `predict_on_batch(x)` run one step on the batch they are given, on every replica.
+    # keras/src/backend/tensorflow/trainer.py: `test_on_batch(x, y, sample_weight, return_dict)`
+    # and `predict_on_batch(x)` run one step on the batch they are given, on every replica.
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     trainer = tf_trainer.TensorFlowTrainer
-    for method, names, inference in (("train_on_batch", ("x", "y", "sample_weight"), False),
-                                     ("test_on_batch", ("x", "y", "sample_weight"), True),
-                                     ("predict_on_batch", ("x",), True)):
-        setattr(trainer, method, _split_on_batch_inputs(getattr(trainer, method), names, inference))
+    for method in ("test_on_batch", "predict_on_batch"):
+        setattr(trainer, method, _settle_before_inference(getattr(trainer, method)))
 
 
 def _patch_callbacks():
@@ -917,7 +963,10 @@ def _patch_epoch_iterator():
 
     @functools.wraps(original_init)
     def __init__(self, distribute_strategy=None, *args, **kwargs):
-        original_init(self, distribute_strategy, *args, **kwargs)
+        # The dataset stays whole: each step takes its rows (no per-fit dataset map to trace
+        # and instantiate; that cost 25-45 ms of every `fit` call on the `make bench` MLP).
+        with _flag("distributing_for_keras"):
+            original_init(self, distribute_strategy, *args, **kwargs)
         self._tfdp_each_step = False
         hooks = _strategy_hooks(distribute_strategy)
         if hooks is None:
@@ -970,6 +1019,7 @@ def install():
     _patch_on_batch()
     _patch_step_function("train")
     _patch_step_function("test")
+    _patch_predict_function()
     _patch_reset_metrics()
     _patch_metric_variables()
     _patch_compile()
@@ -997,11 +1047,11 @@ def hooked_functions():
         (callback_list.CallbackList, "__init__"),
         (tf_trainer.TFEpochIterator, "__init__"),
         (tf_trainer.TFEpochIterator, "__next__"),
-        (tf_trainer.TensorFlowTrainer, "train_on_batch"),
         (tf_trainer.TensorFlowTrainer, "test_on_batch"),
         (tf_trainer.TensorFlowTrainer, "predict_on_batch"),
         (tf_trainer.TensorFlowTrainer, "make_train_function"),
         (tf_trainer.TensorFlowTrainer, "make_test_function"),
+        (tf_trainer.TensorFlowTrainer, "make_predict_function"),
         (trainer.Trainer, "reset_metrics"),
         (trainer.Trainer, "get_metrics_result"),
         (core.Variable, "_direct_assign"),

@@ -7,9 +7,14 @@ one row, and no row is dropped or repeated). Concatenating the ranks' rows in ra
 order gives back the global batch, which is how `predict` restores input order.
 Dense, sparse (`tf.SparseTensor`) and ragged (`tf.RaggedTensor`) inputs split by rows.
 With a `tfdp.strategies.balance.Balancer` the boundaries follow its weights instead. Its
-weights are read when a batch is split, and the split is the last transformation of the
-dataset (evaluated by the step's own ``get_next``, after any prefetch): a change of weights
-between two steps applies to the next step on every rank alike.
+weights are read when a batch is split: a change of weights between two steps applies to the
+next step on every rank alike.
+
+Where the split happens: Keras's `fit`, `evaluate` and `predict` (and the `*_on_batch`
+methods) hand each step the whole global batch and the step takes its rows
+(`HorovodExtended._call_for_each_replica`); `strategy.experimental_distribute_dataset`, for
+custom loops, maps the split as the dataset's last transformation (evaluated by the step's
+own ``get_next``, after any prefetch).
 """
 
 import tensorflow as tf

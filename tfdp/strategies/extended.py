@@ -14,7 +14,8 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from tfdp._compat.keras import UNKNOWN, StrategyHooks
+from tfdp._compat.keras import (UNKNOWN, StrategyHooks, distributing_for_keras, one_replica_step,
+                                step_takes_whole_batch)
 from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVariable, creating_local_variables,
                                      in_xla_context, local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
@@ -110,7 +111,9 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         # One local replica: run it inline, as TF's default strategy does. Unlike
         # MirroredStrategy's replica threads, an inline ReplicaContext can merge_call
         # from inside cond branches (LossScaleOptimizer updates variables there).
-        with _ReplicaContext(self._container_strategy(), replica_id_in_sync_group=self._rank):
+        if step_takes_whole_batch() and args and self._size > 1:  # Keras's step: this rank's rows
+            args = (take_rows(args[0], self._rank, self._size, self.balancer), *args[1:])
+        with _ReplicaContext(self._container_strategy(), replica_id_in_sync_group=self._rank), one_replica_step():
             return fn(*args, **kwargs)
 
     def _get_local_replica_id(self, replica_id_in_sync_group):
@@ -399,12 +402,6 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
     def metrics_reset(self):
         self._rows_since_reset.assign(0)
 
-    def split_batch(self, structure):
-        if self._size == 1 or structure is None:
-            return structure
-        return take_rows(tf.nest.map_structure(tf.convert_to_tensor, structure), self._rank, self._size,
-                         self.balancer)
-
     def extra_callbacks(self, model, callbacks):
         return self._container_strategy().training_callbacks(model, callbacks)
 
@@ -419,6 +416,8 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
 
     # -- input --------------------------------------------------------------------
     def _experimental_distribute_dataset(self, dataset, options):
+        if distributing_for_keras():
+            return dataset  # Keras's steps take their rows (`_call_for_each_replica`)
         return shard_global_batches(dataset, self._rank, self._size, self.balancer)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
