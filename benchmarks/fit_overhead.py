@@ -3,8 +3,9 @@
 The `make bench` MLP (784-512-512-10, global batch 64, 1 TF thread per worker) on 2 workers,
 tfdp `fit` against Keras `fit` with a hand-written Horovod `train_step` ("horovod-fit"), in the
 same two processes. Each round times, for both, one short fit (``--short`` steps) and one long
-fit (``--long`` steps), in rotating order. Per step: the long fit's time over its steps. Per
-fit: the short fit's time less its steps at that rate. Medians over the rounds, slower rank.
+fit (``--long`` steps), in rotating order, both ranks starting each fit together. Per step: the
+long fit's time over its steps. Per fit: the short fit's time less its steps at that rate.
+Medians over the rounds, slower rank.
 
     .venv/bin/python benchmarks/fit_overhead.py [--rounds 8] [--short 5] [--long 200]
 """
@@ -44,6 +45,8 @@ def worker(args):
 
     def fit(name, steps):
         model, xs, ys, batch = fits[name]
+        # Start together: otherwise a fit's time holds the other rank's lag from the fit before.
+        hvd.allreduce(tf.constant(0.0), name="fit_overhead_barrier")
         start = time.perf_counter()
         model.fit(xs[: batch * steps], ys[: batch * steps], batch_size=batch, verbose=0, shuffle=False)
         return time.perf_counter() - start
