@@ -33,3 +33,19 @@ def test_sparse_and_ragged_batches_split_by_rows():
         np.concatenate([tf.sparse.to_dense(s).numpy() for s, _ in parts]), dense)
     assert [r.to_list() for _, r in parts] == [[[1], [2, 3]], [[], [4, 5, 6], [7]]]
     assert [int(s.dense_shape[0]) for s, _ in parts] == [2, 3]
+
+
+def test_a_sparse_batch_split_inside_a_traced_step_keeps_its_feature_dimensions():
+    # Keras builds a model's layers from the first step's input shapes (the Keras suite's
+    # `test_predict_sparse_scipy_graph` failed with a kernel of shape (None, 3) without this).
+    batch = tf.sparse.from_dense(tf.ones([5, 3]))
+    shapes = []
+
+    @tf.function
+    def step(sparse):
+        rows = take_rows((sparse,), 1, 2)[0]
+        shapes.append(rows.shape.as_list())
+        return tf.sparse.to_dense(rows)
+
+    assert step(batch).shape == (3, 3)  # rows [2, 5) of 5
+    assert shapes == [[None, 3]]

@@ -44,7 +44,9 @@ def _slice_rows(t, start, stop):
         rank = tf.size(t.dense_shape)
         begin = tf.concat([[start], tf.zeros([rank - 1], tf.int64)], 0)
         size = tf.concat([[stop - start], t.dense_shape[1:]], 0)
-        return tf.sparse.slice(t, begin, size)
+        rows = tf.sparse.slice(t, begin, size)
+        rows.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))  # Keras builds layers from it
+        return rows
     return t[start:stop]
 
 
