@@ -105,9 +105,10 @@ INFINITE, UNKNOWN = -1, -2  # tf.data's cardinality codes
 
 
 @contextlib.contextmanager
-def _flag(name):
+def _flag(name, value=True):
+    """Within this block the thread-local flag `name` is `value`."""
     previous = getattr(_state, name, False)
-    setattr(_state, name, True)
+    setattr(_state, name, value)
     try:
         yield
     finally:
@@ -126,15 +127,9 @@ def step_takes_whole_batch():
     return getattr(_state, "whole_batch", False)
 
 
-@contextlib.contextmanager
 def one_replica_step():
     """Within this block the step runs on this rank's rows already (a nested `strategy.run` does not split)."""
-    previous = getattr(_state, "whole_batch", False)
-    _state.whole_batch = False
-    try:
-        yield
-    finally:
-        _state.whole_batch = previous
+    return _flag("whole_batch", False)
 
 
 def _strategy_hooks(strategy):
@@ -191,15 +186,9 @@ def gradients_reduced(clipped=False):
         _state.reduced, _state.clipped = previous
 
 
-@contextlib.contextmanager
 def _update_announced():
     """Within this block the reducer has heard of the update (`before_update`) already."""
-    previous = getattr(_state, "update_announced", False)
-    _state.update_announced = True
-    try:
-        yield
-    finally:
-        _state.update_announced = previous
+    return _flag("update_announced")
 
 
 def _reducer_to_apply(optimizer):
