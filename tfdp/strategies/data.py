@@ -72,11 +72,11 @@ def shard_global_batches(dataset, rank, size, balancer=None):
     """
     if size == 1:
         return dataset
-    # `fit` distributes its dataset anew every call. Autograph would convert the new lambda
-    # each time (take_rows has no tensor-dependent Python control flow to convert): 18 ms of
-    # the 44 ms a 2-worker fit spent here on the `make bench` MLP.
-    if isinstance(dataset.element_spec, tuple):
-        rows = tf.autograph.experimental.do_not_convert(lambda *batch: take_rows(batch, rank, size, balancer))
-    else:
-        rows = tf.autograph.experimental.do_not_convert(lambda batch: take_rows(batch, rank, size, balancer))
+    unpacked = isinstance(dataset.element_spec, tuple)  # tf.data passes a tuple's parts as arguments
+
+    # take_rows has no tensor-dependent Python control flow: nothing for autograph to convert.
+    @tf.autograph.experimental.do_not_convert
+    def rows(*batch):
+        return take_rows(batch if unpacked else batch[0], rank, size, balancer)
+
     return dataset.map(rows)
