@@ -8,6 +8,7 @@ long fit's time over its steps. Per fit: the short fit's time less its steps at 
 Medians over the rounds, slower rank.
 
     .venv/bin/python benchmarks/fit_overhead.py [--rounds 8] [--short 5] [--long 200]
+        [--also no-step-logs one-group]   # tfdp variants timed alongside
 """
 
 import argparse
@@ -19,6 +20,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: tfdp variants `--also` adds: name -> `tfdp.MirroredStrategy` options.
+VARIANTS = {"no-step-logs": {"global_step_logs": False}, "one-group": {"bucket_bytes": None}}
 
 
 def worker(args):
@@ -34,14 +37,12 @@ def worker(args):
 
     tfdp.init()
     rank, size = hvd.rank(), hvd.size()
-    strategy = tfdp.MirroredStrategy()
-    with strategy.scope():
-        tfdp_model = build_model(512, 2)
     x, y = data(args.global_batch, args.long)
-    fits = {  # name: (model, inputs, batch size): tfdp gets the global arrays, horovod-fit its shard
-        "tfdp": (tfdp_model, x, y, args.global_batch),
-        "horovod-fit": (horovod_fit_model(512, 2), x[rank::size], y[rank::size], args.global_batch // size),
-    }
+    fits = {}  # name: (model, inputs, batch size): tfdp gets the global arrays, horovod-fit its shard
+    for name in ["tfdp", *args.also]:
+        with tfdp.MirroredStrategy(**VARIANTS.get(name, {})).scope():
+            fits[f"tfdp {name}" if name != "tfdp" else name] = (build_model(512, 2), x, y, args.global_batch)
+    fits["horovod-fit"] = (horovod_fit_model(512, 2), x[rank::size], y[rank::size], args.global_batch // size)
 
     def fit(name, steps):
         model, xs, ys, batch = fits[name]
@@ -55,7 +56,8 @@ def worker(args):
         fit(name, args.short)  # trace
     seconds = {name: {"short": [], "long": []} for name in fits}
     for round_ in range(args.rounds):
-        order = list(fits)[round_ % 2:] + list(fits)[: round_ % 2]
+        shift = round_ % len(fits)
+        order = list(fits)[shift:] + list(fits)[:shift]
         for name in order:
             seconds[name]["short"].append(fit(name, args.short))
             seconds[name]["long"].append(fit(name, args.long))
@@ -68,6 +70,8 @@ def main():
     parser.add_argument("--short", type=int, default=5, help="steps of the short fit")
     parser.add_argument("--long", type=int, default=200, help="steps of the long fit")
     parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--also", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="tfdp variants to time alongside the default")
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.out:
@@ -77,7 +81,8 @@ def main():
 
     with tempfile.TemporaryDirectory() as out:
         ranks = run_job(Path(__file__), out, ["--rounds", args.rounds, "--short", args.short, "--long", args.long,
-                                               "--global-batch", args.global_batch], timeout=3600)
+                                               "--global-batch", args.global_batch, "--also", *args.also],
+                          timeout=3600)
     # Slower rank per fit.
     seconds = {name: {kind: [max(r[name][kind][i] for r in ranks) for i in range(args.rounds)]
                       for kind in ("short", "long")} for name in ranks[0]}
@@ -90,10 +95,12 @@ def main():
     for name in seconds:
         print(f"| {name} | {1e3 * statistics.median(per_step[name]):.2f} | "
               f"{1e3 * statistics.median(per_fit[name]):.0f} |")
-    ratio = statistics.median(b / a for a, b in zip(per_step["tfdp"], per_step["horovod-fit"]))
-    extra = statistics.median(a - b for a, b in zip(per_fit["tfdp"], per_fit["horovod-fit"]))
-    print(f"\ntfdp steps/s / horovod-fit steps/s in long fits (median of per-round ratios): {ratio:.3f}")
-    print(f"tfdp's extra fixed cost per fit call (median of per-round differences): {1e3 * extra:.0f} ms")
+    print()
+    for name in (n for n in seconds if n != "horovod-fit"):
+        ratio = statistics.median(b / a for a, b in zip(per_step[name], per_step["horovod-fit"]))
+        extra = statistics.median(a - b for a, b in zip(per_fit[name], per_fit["horovod-fit"]))
+        print(f"{name}: steps/s / horovod-fit's in long fits {ratio:.3f} (median of per-round ratios); "
+              f"extra fixed cost per fit call {1e3 * extra:.0f} ms (median of per-round differences)")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,8 @@ counting, the single-worker shortcut and the grouping by dtype.
 import abc
 import weakref
 
-import tensorflow as tf
-
 from tfdp._compat.tensorflow import outermost_function_graph
-from tfdp.comm.stats import CommunicationStats, nbytes
+from tfdp.comm.stats import CommunicationStats, total_bytes
 
 _OPS = ("sum", "average", "min", "max")
 
@@ -59,11 +57,8 @@ class Communicator(abc.ABC):
     def _count(self, tensors, gradients=False):
         if not tensors:
             return
-        self.stats.add("collectives", 1)
-        total = tf.add_n([nbytes(t) for t in tensors])
-        self.stats.add("payload_bytes", total)
-        if gradients:
-            self.stats.add("gradient_bytes", total)
+        total = total_bytes(tensors)
+        self.stats.add_many(collectives=1, payload_bytes=total, gradient_bytes=total if gradients else 0)
 
     def allreduce(self, tensors, op="sum", gradients=False, name=None):
         """Reduce a list of tensors across workers in one fused collective.

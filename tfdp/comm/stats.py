@@ -17,10 +17,38 @@ def float32_bytes(tensor):
     return tf.size(tensor, out_type=tf.int64) * 4
 
 
+def total_bytes(tensors, as_float32=False):
+    """The bytes of `tensors` together (as float32 with `as_float32`): a Python int when every
+    shape is known while tracing, else an int64 tensor.
+
+    Example:
+        >>> total_bytes([tf.zeros([3], tf.float16), tf.zeros([2, 2])])
+        22
+    """
+    static = [_static_bytes(t, as_float32) for t in tensors]
+    if None not in static:
+        return sum(static)
+    measure = float32_bytes if as_float32 else nbytes
+    return tf.add_n([measure(t) for t in tensors])
+
+
+def _static_bytes(tensor, as_float32):
+    if isinstance(tensor, tf.IndexedSlices):
+        shape = tf.get_static_value(tensor.dense_shape)
+        count = None if shape is None else int(shape.prod())
+    else:
+        count = tensor.shape.num_elements()
+    if count is None:
+        return None
+    return count * (4 if as_float32 else tensor.dtype.size)
+
+
 class CommunicationStats:
     """Counters of what this worker handed to collectives.
 
-    They are `tf.Variable`s so that steps running inside `tf.function` update them.
+    One int64 `tf.Variable` holds them all, so that steps running inside `tf.function` update
+    them, and each update is one `AssignAdd` of a constant vector when the sizes are known at
+    trace time (a step's bookkeeping costs a handful of graph ops, not dozens).
     `payload_bytes` counts every byte handed to a collective (gradients, metrics,
     initial broadcasts); `gradient_bytes` the part of it that carried gradients
     (payloads, indices, scales and norms); `dense_bytes` what the same gradients
@@ -29,26 +57,37 @@ class CommunicationStats:
     Example:
         >>> stats = CommunicationStats()
         >>> stats.add("steps", 1)
-        >>> stats.as_dict()["steps"]
-        1
+        >>> stats.add_many(collectives=1, payload_bytes=12)
+        >>> stats.as_dict()["payload_bytes"]
+        12
     """
 
     FIELDS = ("steps", "collectives", "payload_bytes", "gradient_bytes", "dense_bytes", "rounds")
 
     def __init__(self):
-        self._vars = {name: local_variable(tf.constant(0, tf.int64), f"tfdp_{name}") for name in self.FIELDS}
+        self._counts = local_variable(tf.zeros([len(self.FIELDS)], tf.int64), "tfdp_communication_counts")
 
     def add(self, name, amount):
         """Add `amount` (a Python int or an integer tensor) to counter `name`."""
-        return self._vars[name].assign_add(tf.cast(amount, tf.int64))
+        self.add_many(**{name: amount})
 
-    def count_step(self, grads):
-        """Count one gradient step and the float32 size of its gradients (None ignored)."""
-        self.add("steps", 1)
+    def add_many(self, **amounts):
+        """Add to several counters in one update (Python ints or integer tensors, by field name)."""
+        unknown = sorted(set(amounts) - set(self.FIELDS))
+        if unknown:
+            raise KeyError(f"Unknown counters {unknown}; the counters are {list(self.FIELDS)}.")
+        values = [amounts.get(name, 0) for name in self.FIELDS]
+        if all(isinstance(v, int) for v in values):
+            delta = tf.constant(values, tf.int64)
+        else:
+            delta = tf.stack([tf.cast(v, tf.int64) for v in values])
+        self._counts.assign_add(delta, read_value=False)
+
+    def count_step(self, grads, rounds=0):
+        """Count one gradient step, the float32 size of its gradients (None ignored) and `rounds`."""
         present = [g for g in grads if g is not None]
-        if present:
-            self.add("dense_bytes", tf.add_n([float32_bytes(g) for g in present]))
+        self.add_many(steps=1, rounds=rounds, dense_bytes=total_bytes(present, as_float32=True) if present else 0)
 
     def as_dict(self):
         """Return the counters as Python ints."""
-        return {name: int(var.numpy()) for name, var in self._vars.items()}
+        return dict(zip(self.FIELDS, (int(v) for v in self._counts.numpy())))

@@ -154,9 +154,7 @@ class GradientReducer(abc.ABC):
         if len(grads) != len(variables):
             raise ValueError(f"Expected one gradient per variable. Received {len(grads)} gradients "
                              f"for {len(variables)} variables.")
-        self.communicator.stats.count_step(grads)
-        if self.communicator.size > 1:
-            self.communicator.stats.add("rounds", self.rounds_per_step)
+        self.communicator.stats.count_step(grads, self.rounds_per_step if self.communicator.size > 1 else 0)
         present = [i for i, g in enumerate(grads) if g is not None]
         slices = [i for i in present if self.sparse and isinstance(grads[i], tf.IndexedSlices)]
         dense = [i for i in present if i not in slices]

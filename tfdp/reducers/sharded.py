@@ -288,10 +288,8 @@ class ShardedOptimizerState(GradientReducer):
                 raise ValueError(f"tfdp: {variable_key(v)} is not among the variables this optimizer was built "
                                  "for; a sharded optimizer updates the model it was built with.")
             full[index[variable_key(v)]] = g
-        self.communicator.stats.count_step(full)
+        self.communicator.stats.count_step(full, 2 if size > 1 else 0)
         _warn_if_duplicate_rows_change_the_update(full, optimizer)
-        if size > 1:
-            self.communicator.stats.add("rounds", 2)
         dtype = s.model_variables[0].dtype
         rows = rows_in_this_step() if size > 1 and self.weights_rows else None
         weight = tf.constant(1.0, dtype) if rows is None else tf.cast(rows, dtype)
