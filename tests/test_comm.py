@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.comm.communicator import graph_collective_name
+from tfdp.comm.communicator import Communicator, graph_collective_name
 from tfdp.comm.fake import run_ranks
 
 
@@ -40,6 +40,50 @@ def test_bytes_are_counted_per_collective_and_per_dtype_group():
     assert stats["collectives"] == 1 + 2 + 1
     assert stats["gradient_bytes"] == 60
     assert stats["payload_bytes"] == 60 + (16 + 8 + 12) + 16
+
+
+class _Echo(Communicator):
+    """Two ranks that send the same tensors: graph-capable, for what a traced step records."""
+
+    rank, size = 0, 2
+
+    def _allreduce(self, tensors, op, name):
+        return [t * 2 if op == "sum" else t for t in tensors]
+
+    def _allgather(self, tensors):
+        return [tf.concat([t, t], 0) for t in tensors]
+
+    def _broadcast(self, tensor, root_rank):
+        return tensor
+
+    def _reduce_scatter(self, tensor):
+        return tensor[: tensor.shape[0] // 2] * 2
+
+
+def test_a_traced_collective_is_counted_in_one_update_of_known_size():
+    # Counting is part of each step's graph: one AssignAdd per collective, of a constant when
+    # the shapes are known at trace time, and the same totals when they are not.
+    comm = _Echo()
+
+    def exchange(x):
+        comm.allreduce([x, tf.zeros([5])], op="sum", gradients=True)
+        comm.allgather(tf.zeros([2], tf.int32))
+        return x
+
+    static = tf.function(exchange, input_signature=[tf.TensorSpec([10])])
+    dynamic = tf.function(exchange, input_signature=[tf.TensorSpec([None])])
+    ops = {name: [op.type for op in f.get_concrete_function().graph.get_operations()]
+           for name, f in (("static", static), ("dynamic", dynamic))}
+    assert ops["static"].count("AssignAddVariableOp") == 2
+    assert "Size" not in ops["static"]
+    assert ops["dynamic"].count("AssignAddVariableOp") == 2
+    assert "Size" in ops["dynamic"]  # control: an unknown shape is measured inside the graph
+    static(tf.zeros([10]))
+    dynamic(tf.zeros([10]))
+    stats = comm.stats.as_dict()
+    assert stats["collectives"] == 4
+    assert stats["gradient_bytes"] == 2 * 60
+    assert stats["payload_bytes"] == 2 * (60 + 8)
 
 
 def test_one_worker_sends_nothing():
