@@ -1,5 +1,6 @@
 """Metrics read outside a step (the end of every epoch, of evaluate) are reduced in one exchange
-per dtype, not one per variable, and a metrics reset exchanges nothing (2 real workers)."""
+per dtype, not one per variable, a metrics reset exchanges nothing, and a step's logs exchange
+does not wait for backprop (2 real workers)."""
 
 import pytest
 from conftest import assert_ok, run_script
@@ -20,3 +21,8 @@ def test_epoch_end_metric_reads_are_one_exchange_per_dtype_and_resets_none(tmp_p
         assert rank["together"] == pytest.approx(rank["epoch_logs"], rel=1e-6)
         assert rank["collectives_reset"] == 0
         assert rank["after_reset"] == [0.0] * 7
+        # The step's logs exchange depends on the forward pass only, so it runs during backprop
+        # rather than after the gradients; the gradient exchanges (control) do wait for backprop.
+        waits = rank["collectives_waiting_for_backprop"]
+        assert waits["logs"] == [False, False]  # one per dtype: float32 metrics, the int64 count
+        assert waits["gradients"] and all(waits["gradients"])

@@ -30,6 +30,50 @@ class Count(keras.metrics.Metric):
         return tf.convert_to_tensor(self.rows)
 
 
+def traced_functions(fn, seen=None):
+    """The `tf.function`s behind Keras's train function (tfdp and Keras wrap it in closures)."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    if hasattr(fn, "_list_all_concrete_functions"):
+        return [fn]
+    found = []
+    for cell in getattr(fn, "__closure__", None) or []:
+        try:
+            inner = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(inner):
+            found += traced_functions(inner, seen)
+    return found
+
+
+def collectives_after_backprop(model, optimizer_scope):
+    """For the step's logs exchange and its gradient exchanges: whether each waits for backprop
+    (has a gradient op among the ops it depends on)."""
+    waits = {"logs": [], "gradients": []}
+    for function in traced_functions(model.train_function):
+        for concrete in function._list_all_concrete_functions():
+            for body in concrete.graph.as_graph_def().library.function:
+                nodes = {node.name: node for node in body.node_def}
+                if not any(name.startswith("gradient_tape/") for name in nodes):
+                    continue  # a branch function (the uneven-rows exchange): its gradients are arguments
+                for node in body.node_def:
+                    if not node.op.startswith("Horovod"):
+                        continue
+                    ancestors, pending = set(), [node.name]
+                    while pending:
+                        name = pending.pop()
+                        if name in ancestors or name not in nodes:
+                            continue
+                        ancestors.add(name)
+                        pending += [i.lstrip("^").split(":")[0] for i in nodes[name].input]
+                    kind = "gradients" if node.name.startswith(optimizer_scope + "/") else "logs"
+                    waits[kind].append(any(a.startswith("gradient_tape/") for a in ancestors))
+    return waits
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -55,6 +99,7 @@ def main():
     after_reset = stats.as_dict()["collectives"]
     local = [float(v.value.values[0].numpy()) for m in model.metrics for v in m.variables]
     write_result(args.out, {
+        "collectives_waiting_for_backprop": collectives_after_backprop(model, model.optimizer.name),
         "together": together, "one_by_one": one_by_one,
         "epoch_logs": {k: v[-1] for k, v in history.history.items()},
         "metric_variables": sum(len(m.variables) for m in model.metrics),
