@@ -21,8 +21,9 @@ class MirroredStrategy(HorovodStrategy):
 
     Args:
         global_step_logs: make every batch's logs (progress bar, batch-level
-            callbacks) global, at the cost of one small all-reduce per step
-            (3-9% of a step in ``benchmarks/sync_vs_horovod_vs_mwms.py``). With
+            callbacks) global with one small all-reduce per step. It depends on the
+            forward pass only, so it runs during backprop: False measured no faster
+            (``benchmarks/fit_overhead.py --also no-step-logs``). With
             False, a training step's batch logs are this rank's running values;
             epoch logs, ``History``, ``evaluate`` and ``test_on_batch`` are global
             either way (custom steps' own values too). Keep True when a
