@@ -86,7 +86,7 @@ class CommunicationStats:
     def count_step(self, grads, rounds=0):
         """Count one gradient step, the float32 size of its gradients (None ignored) and `rounds`."""
         present = [g for g in grads if g is not None]
-        self.add_many(steps=1, rounds=rounds, dense_bytes=total_bytes(present, as_float32=True) if present else 0)
+        self.add_many(steps=1, rounds=rounds, dense_bytes=total_bytes(present, as_float32=True))
 
     def as_dict(self):
         """Return the counters as Python ints."""
