@@ -813,6 +813,7 @@ def mixed_precision(make_strategy):
 def checkpoints_and_logs_on_rank_0(make_strategy):
     """ModelCheckpoint, TensorBoard, BackupAndRestore and model.save write on rank 0 only."""
     import os
+    import shutil
     import tempfile
 
     x, y = regression()
@@ -820,10 +821,13 @@ def checkpoints_and_logs_on_rank_0(make_strategy):
     callbacks = [keras.callbacks.ModelCheckpoint(os.path.join(folder, "ckpt-{epoch}.keras")),
                  keras.callbacks.TensorBoard(os.path.join(folder, "tb")),
                  keras.callbacks.BackupAndRestore(os.path.join(folder, "backup"), delete_checkpoint=False)]
-    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]}, epochs=3, callbacks=callbacks)
-    if rank() == 0:  # the Horovod idiom: only rank 0 saves, the others go on (no collective in save)
-        model.save(os.path.join(folder, "model.keras"))
-    written = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files)
+    try:
+        model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]}, epochs=3, callbacks=callbacks)
+        if rank() == 0:  # the Horovod idiom: only rank 0 saves, the others go on (no collective in save)
+            model.save(os.path.join(folder, "model.keras"))
+        written = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     written = [name.split("/events.out")[0] if "events.out" in name else name for name in written]
     return result(model, history, per_rank_files_written=len(written),
                   per_rank_checkpoints=len([n for n in written if n.startswith("ckpt-")]))
