@@ -1,12 +1,16 @@
 """Gradient buckets (`bucket_bytes`): several grouped all-reduces, last layers first, the same sums."""
 
 import json
+import warnings
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import assert_ok, run_plain, run_workers
 
-from tfdp.reducers.allreduce import buckets, check_bucket_bytes
+from tfdp.comm.fake import run_ranks
+from tfdp.reducers import allreduce
+from tfdp.reducers.allreduce import AllReduceGradients, buckets, check_bucket_bytes
 
 
 def test_buckets_hold_whole_tensors_last_first():
@@ -20,6 +24,30 @@ def test_buckets_hold_whole_tensors_last_first():
 def test_bad_bucket_bytes_names_the_problem(bad):
     with pytest.raises(ValueError, match="bucket_bytes"):
         check_bucket_bytes(bad)
+
+
+@pytest.mark.parametrize("inter_op, bucket_bytes, warned", [("1", 8, True), ("2", 8, False), ("1", None, False)])
+def test_a_single_inter_op_thread_is_named_when_buckets_are_to_overlap(monkeypatch, inter_op, bucket_bytes, warned):
+    # One inter-op thread runs backprop to its end before Horovod's ops start (docs/results.md,
+    # overlap): worth a warning only when there are several buckets to overlap.
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", inter_op)
+    monkeypatch.setattr(tf.config.threading, "get_inter_op_parallelism_threads", lambda: 0)
+    monkeypatch.setattr(allreduce, "_warned_single_inter_op_thread", False)
+
+    def body(comm):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reducer = AllReduceGradients(comm, bucket_bytes=bucket_bytes)
+            out = reducer.reduce([tf.ones([2]) * (comm.rank + 1), tf.ones([3])],
+                                 [tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([3]))])
+        return [str(w.message) for w in caught], out[0].numpy()
+
+    results = run_ranks(2, body)
+    messages = [m for ms, _ in results for m in ms if "inter-op pool has 1 thread" in m]
+    assert len(messages) == (1 if warned else 0)  # once per process, not per rank or step
+    if warned:
+        assert "TF_NUM_INTEROP_THREADS=2" in messages[0]
+    np.testing.assert_allclose(results[0][1], [3.0, 3.0])
 
 
 def run_case(tmp_path, name, np_, *args):

@@ -1,5 +1,8 @@
 """`AllReduceGradients`: the synchronous exchange of `tfdp.MirroredStrategy`."""
 
+import os
+import warnings
+
 from tfdp.reducers.base import GradientReducer
 
 
@@ -47,6 +50,33 @@ def check_bucket_bytes(bucket_bytes):
     return bucket_bytes
 
 
+def inter_op_threads():
+    """The threads of TensorFlow's inter-op pool in this process: its setting, else
+    ``TF_NUM_INTEROP_THREADS``, else the number of CPUs (TensorFlow's default)."""
+    import tensorflow as tf
+
+    return (tf.config.threading.get_inter_op_parallelism_threads()
+            or int(os.environ.get("TF_NUM_INTEROP_THREADS") or 0) or os.cpu_count() or 1)
+
+
+_warned_single_inter_op_thread = False
+
+
+def warn_if_buckets_cannot_overlap(bucket_count, workers):
+    """Warn once when several buckets are to overlap backprop but TensorFlow's inter-op pool has
+    one thread: that thread runs backprop to its end before it starts any of Horovod's ops, so
+    every bucket waits for the last gradient (measured: docs/results.md, overlap)."""
+    global _warned_single_inter_op_thread
+    if bucket_count < 2 or workers < 2 or _warned_single_inter_op_thread or inter_op_threads() > 1:
+        return
+    _warned_single_inter_op_thread = True
+    warnings.warn(
+        "tfdp: TensorFlow's inter-op pool has 1 thread, so the gradient buckets' all-reduces cannot start "
+        "until backprop ends (no overlap of communication with backprop). Give it 2 threads before TensorFlow "
+        "starts: TF_NUM_INTEROP_THREADS=2, or tf.config.threading.set_inter_op_parallelism_threads(2).",
+        stacklevel=3)
+
+
 class AllReduceGradients(GradientReducer):
     """Sum or average gradients across workers in grouped (fused) all-reduces.
 
@@ -72,7 +102,9 @@ class AllReduceGradients(GradientReducer):
     def _reduce(self, grads, variables, opt):
         sizes = [g.shape.num_elements() * g.dtype.size for g in grads]
         result = [None] * len(grads)
-        for group in buckets(sizes, self.bucket_bytes):
+        groups = buckets(sizes, self.bucket_bytes)
+        warn_if_buckets_cannot_overlap(len(groups), self.communicator.size)
+        for group in groups:
             summed = self.communicator.allreduce([grads[i] for i in group], op=self.op, gradients=True)
             for i, g in zip(group, summed):
                 result[i] = g

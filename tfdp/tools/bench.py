@@ -38,7 +38,9 @@ def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup
                    "--params", str(params), "--batch-size", str(batch_size), "--steps", str(steps),
                    "--warmup-steps", str(warmup_steps), "--optimizer", optimizer, "--out", str(out), *digits_options,
                    *extra]
-        env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_NUM_INTEROP_THREADS=str(threads),
+        # `threads` threads per op; the inter-op pool gets one more, so that Horovod's all-reduces start
+        # while backprop goes on (with 1, backprop runs to its end first: docs/results.md, overlap).
+        env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_NUM_INTEROP_THREADS=str(threads + 1),
                    TF_CPP_MIN_LOG_LEVEL="2")
         env.pop(SLOWDOWN_ENV, None)
         if slowdown and workers > 1:

@@ -227,7 +227,7 @@ def build_parser():
     bench.add_argument("--batch-size", type=int, default=32, help="per worker")
     bench.add_argument("--steps", type=int, default=8, help="timed steps per preset")
     bench.add_argument("--warmup-steps", type=int, default=3, help="untimed steps (plus the preset's own)")
-    bench.add_argument("--threads", type=int, default=1, help="TensorFlow threads per worker")
+    bench.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads per worker (the inter-op pool gets one more)")
     bench.add_argument("--timeout", type=float, default=900, help="seconds per job before it is ended")
     bench.add_argument("--target-accuracy", type=float, default=0.95, help="digits only")
     bench.add_argument("--epochs", type=int, default=20, help="digits only")
