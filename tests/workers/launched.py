@@ -12,7 +12,8 @@ import time
 parser = argparse.ArgumentParser()
 parser.add_argument("--case", choices=["ok", "fail", "hang"], required=True)
 args = parser.parse_args()
-print(f"pid {os.getpid()} rank {os.environ['HOROVOD_RANK']} iface {os.environ['HOROVOD_GLOO_IFACE']}", flush=True)
+print(f"pid {os.getpid()} rank {os.environ['HOROVOD_RANK']} iface {os.environ['HOROVOD_GLOO_IFACE']} "
+      f"cpus {sorted(os.sched_getaffinity(0))}", flush=True)
 if args.case == "hang":
     time.sleep(3600)
 

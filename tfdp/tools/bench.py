@@ -31,7 +31,7 @@ SINGLE_WORKER = "1 worker (compute only)"
 
 
 def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads, timeout, log,
-         digits_options=(), slowdown=None, optimizer="sgd", extra=()):
+         digits_options=(), slowdown=None, optimizer="sgd", extra=(), pin_cpus=False):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "tfdp.tools.bench_worker", "--preset", preset, "--workload", workload,
@@ -47,6 +47,7 @@ def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup
             env[SLOWDOWN_ENV] = slowdown
         try:
             result = launch(command, workers, rate_mbit=rate_mbit if workers > 1 else None, timeout=timeout,
+                            pin_cpus=pin_cpus,
                             env=env, sink=log)
         finally:
             if slowdown:
@@ -65,7 +66,7 @@ def _spread(seconds):
 
 def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e6, batch_size=32, steps=8,
               warmup_steps=3, threads=1, out_dir="bench-results", timeout=900, progress=True,
-              target_accuracy=0.95, epochs=20, slowdown=None, optimizer="sgd"):
+              target_accuracy=0.95, epochs=20, slowdown=None, optimizer="sgd", pin_cpus=False):
     """Run every preset, write the report files to `out_dir`, return the rows (dicts).
 
     Synthetic workloads train with `optimizer` (``"sgd"``: plain SGD; ``"adam"``: Adam, whose
@@ -73,7 +74,9 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
     The digits workload trains `epochs` epochs and also reports the seconds to reach
     `target_accuracy` on its test split. `slowdown` (``"RANK:FACTOR,..."``, root) makes
     those workers of every multi-worker job FACTOR times slower in compute
-    (`tfdp.tools.slowdown`); the single-worker baseline runs at full speed.
+    (`tfdp.tools.slowdown`); the single-worker baseline runs at full speed. `pin_cpus` runs
+    worker r on CPU r alone and the single-worker baseline on CPU 0, as on hosts of one CPU
+    each: without it a worker alone has every CPU, which it does not have in the job.
     """
     from tqdm import tqdm
 
@@ -103,7 +106,7 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             timing = (["--time-compressors", *timed]
                       if label == SINGLE_WORKER and rate_mbit is not None else [])
             raw[label] = _job(preset, n, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads,
-                              timeout, log, digits_options, slowdown, optimizer, timing)
+                              timeout, log, digits_options, slowdown, optimizer, timing, pin_cpus)
     single = raw.pop(SINGLE_WORKER)
     compute = single["median_seconds"]
     shapes = [tuple(s) for s in single["shapes"]]
@@ -140,11 +143,13 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
     if "sync" in raw:
         for row in rows:
             row["speedup_vs_sync"] = 1000 * raw["sync"]["median_seconds"] / row["median_ms"]
-    summary = {"slowdown": slowdown, "single_worker_ms": 1000 * compute,
+    summary = {"slowdown": slowdown, "pin_cpus": pin_cpus, "single_worker_ms": 1000 * compute,
+               "single_worker_forward_ms": 1000 * single["forward_seconds"] if single.get("forward_seconds") else None,
                "single_worker_samples_per_second": batch_size / compute,
                "rows": rows, "raw": raw, "single_worker": single}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "bench.md").write_text(markdown_table(rows, compute, workers, rate_mbit, slowdown))
+    (out_dir / "bench.md").write_text(markdown_table(rows, compute, workers, rate_mbit, slowdown,
+                                                     single.get("forward_seconds"), pin_cpus))
     chart(rows, out_dir / "bench.png", workers, rate_mbit)
     if any(r.get("share_history") for r in rows):
         shares_chart(rows, out_dir / "bench-shares.png", slowdown)
@@ -171,13 +176,16 @@ def _fmt(value, spec, missing="–"):
     return missing if value is None else format(value, spec)
 
 
-def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None):
+def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None, forward_seconds=None, pin_cpus=False):
     link = f"{rate_mbit:g} Mbit/s emulated hosts" if rate_mbit else "loopback"
+    link += ", one CPU per worker" if pin_cpus else ""
     slowdown_note = f", slowdown {slowdown} (rank:factor, CPU quota)" if slowdown else ""
     first = rows[0]
     lines = [
         f"{workers} workers, {link}{slowdown_note}; {first['workload']} with {first['parameters']:,} parameters, "
-        f"batch {first['batch_size_per_worker']} per worker; one worker alone: {1000 * compute_seconds:.1f} ms/step.",
+        f"batch {first['batch_size_per_worker']} per worker; one worker alone: {1000 * compute_seconds:.1f} ms/step"
+        + (f" (forward and loss {1000 * forward_seconds:.1f} ms: backprop and update "
+           f"{1 - forward_seconds / compute_seconds:.0%})" if forward_seconds else "") + ".",
         "",
         "| preset | ms/step (median) | min–max | samples/s | vs sync | scaling eff. | payload MB/step "
         "| link MB/step | link/payload | advisor ms | measured/advisor | shares | busy ms/step "

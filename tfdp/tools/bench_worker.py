@@ -69,7 +69,25 @@ def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe,
     global_batch = batch_size * strategy.num_replicas_in_sync
     x, y = workloads.synthetic_data(model, total_steps * global_batch)
     model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[probe])
-    return model, {}
+    return model, {"forward_seconds": forward_seconds(model, x[:batch_size], y[:batch_size])}
+
+
+def forward_seconds(model, x, y, repeats=10):
+    """Median seconds of the forward pass and loss on one worker's batch, traced as `fit` traces
+    its step: what a step computes before backprop, so the rest of C is backprop and update."""
+    import tensorflow as tf
+
+    @tf.function(jit_compile=False)
+    def forward(x, y):
+        return model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+
+    forward(x, y)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        forward(x, y).numpy()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 class EpochClock(keras.callbacks.Callback):

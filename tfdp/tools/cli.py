@@ -131,7 +131,7 @@ def _bench(args):
                     params=args.params, batch_size=args.batch_size, steps=args.steps,
                     warmup_steps=args.warmup_steps, threads=args.threads, out_dir=args.out, timeout=args.timeout,
                     target_accuracy=args.target_accuracy, epochs=args.epochs, slowdown=args.slowdown,
-                    optimizer=args.optimizer)
+                    optimizer=args.optimizer, pin_cpus=args.pin_cpus)
     print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, bench.png (worker output: bench.log)")
     return 0
@@ -227,7 +227,10 @@ def build_parser():
     bench.add_argument("--batch-size", type=int, default=32, help="per worker")
     bench.add_argument("--steps", type=int, default=8, help="timed steps per preset")
     bench.add_argument("--warmup-steps", type=int, default=3, help="untimed steps (plus the preset's own)")
-    bench.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads per worker (the inter-op pool gets one more)")
+    bench.add_argument("--threads", type=int, default=1,
+                       help="TensorFlow intra-op threads per worker (the inter-op pool gets one more)")
+    bench.add_argument("--pin-cpus", action="store_true",
+                       help="worker r runs on CPU r alone, the single-worker baseline on CPU 0: hosts of one CPU each")
     bench.add_argument("--timeout", type=float, default=900, help="seconds per job before it is ended")
     bench.add_argument("--target-accuracy", type=float, default=0.95, help="digits only")
     bench.add_argument("--epochs", type=int, default=20, help="digits only")
