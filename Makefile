@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 
 .PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts bench-balance bench-zero1 \
-	bench-overlap bench-compressor-speed
+	bench-overlap bench-overlap-shared bench-compressor-speed
 setup:
 	bash tools/setup_env.sh
 
@@ -63,15 +63,16 @@ bench-balance: setup
 	.venv/bin/tfdp bench --presets sync balanced -np 4 --workload cnn --batch-size 64 --rate-mbit 1000 \
 		--steps 40 --warmup-steps 60 --slowdown 1:4 --out $(RESULTS)/hosts-balanced-4workers-slow1x2
 
-# Overlap (root): sync in one group (bucket_bytes=null) and in its default 256 KiB buckets on the
-# CNN, on 2 emulated hosts at 100 and 400 Mbit/s and on loopback; the advisor column is the
-# no-overlap prediction C + M.
+# Overlap (root): sync in one group (bucket_bytes=null), in its default 256 KiB buckets and in 1 MiB
+# buckets on the CNN, on 2 emulated hosts of one CPU each (--pin-cpus) at 100, 200 and 400 Mbit/s; the
+# advisor column is the no-overlap prediction C + M. bench-overlap-shared: the same without --pin-cpus.
 OVERLAP := sync:bucket_bytes=null sync sync:bucket_bytes=1048576
 bench-overlap: setup
-	.venv/bin/tfdp bench --presets $(OVERLAP) --workload cnn --batch-size 64 --rate-mbit 100 \
-		--steps 12 --out $(RESULTS)/hosts-100mbit-cnn-buckets
-	.venv/bin/tfdp bench --presets $(OVERLAP) --workload cnn --batch-size 64 --rate-mbit 400 \
-		--steps 20 --out $(RESULTS)/hosts-400mbit-cnn-buckets
+	for rate in 100 200 400; do .venv/bin/tfdp bench --presets $(OVERLAP) --workload cnn --batch-size 64 \
+		--rate-mbit $$rate --steps 30 --pin-cpus --out $(RESULTS)/hosts-$${rate}mbit-cnn-buckets-pinned || exit 1; done
+bench-overlap-shared: setup
+	for rate in 100 400; do .venv/bin/tfdp bench --presets $(OVERLAP) --workload cnn --batch-size 64 \
+		--rate-mbit $$rate --steps 30 --out $(RESULTS)/hosts-$${rate}mbit-cnn-buckets || exit 1; done
 	.venv/bin/tfdp bench --presets $(OVERLAP) --workload cnn --batch-size 64 \
 		--steps 20 --out $(RESULTS)/loopback-cnn-buckets
 
