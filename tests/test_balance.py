@@ -102,6 +102,7 @@ def assert_follows(reference, ranks, workers_weights=None):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.full  # quick: the shares' arithmetic above and auto shares' trajectory below (stop 27, for time)
 def test_uneven_static_shares_follow_the_one_process_trajectory(tmp_path, mlp_reference):
     ranks = run_case(tmp_path, "balanced", 2, "--model", "mlp", "--balance", "0.7,0.3", "--epochs", "2")
     assert mlp_reference["steps"] == 46
