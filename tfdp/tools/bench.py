@@ -47,8 +47,7 @@ def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup
             env[SLOWDOWN_ENV] = slowdown
         try:
             result = launch(command, workers, rate_mbit=rate_mbit if workers > 1 else None, timeout=timeout,
-                            pin_cpus=pin_cpus,
-                            env=env, sink=log)
+                            env=env, sink=log, pin_cpus=pin_cpus)
         finally:
             if slowdown:
                 remove_groups()

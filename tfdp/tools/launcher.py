@@ -168,15 +168,16 @@ def launch(command, workers, rate_mbit=None, emulate=None, timeout=None, env=Non
     With `use_horovodrun`, horovodrun starts them (`hosts`, `horovodrun_args` as in
     `horovodrun_command`). Otherwise they start here: `emulate` (default: when `rate_mbit`
     is given) puts each worker in its own emulated host linked at `rate_mbit` Mbit/s, else
-    all run on 127.0.0.1. `pin_cpus` runs worker r on CPU r alone (``taskset``), as on hosts
+    all run on 127.0.0.1. `pin_cpus` runs worker r on the r-th usable CPU alone (``taskset``), as on hosts
     of one CPU each; it needs at least `workers` CPUs. `timeout` (seconds) ends a job that runs
     too long (exit 124): a hang is a failure. `sink` receives the prefixed output live.
     """
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"`workers` must be an int >= 1. Received: {workers!r}")
-    if pin_cpus and (use_horovodrun or workers > (os.cpu_count() or 1)):
+    cpus = sorted(os.sched_getaffinity(0))  # the CPUs this process may use, in a container too
+    if pin_cpus and (use_horovodrun or workers > len(cpus)):
         raise ValueError(f"`pin_cpus` gives each of the {workers} workers a CPU of its own: it needs workers started "
-                         f"here (not horovodrun) and at least {workers} CPUs; this machine has {os.cpu_count()}.")
+                         f"here (not horovodrun) and at least {workers} CPUs; this process may use {len(cpus)}.")
     if use_horovodrun:
         if rate_mbit is not None or emulate:
             raise ValueError("Emulated hosts run workers directly: pass use_horovodrun=False with rate_mbit.")
@@ -202,7 +203,7 @@ def launch(command, workers, rate_mbit=None, emulate=None, timeout=None, env=Non
             iface = hosts.inner_links[slot.rank] if hosts is not None else "lo"
             prefix = hosts.exec_prefix(slot.rank) if hosts is not None else []
             if pin_cpus:
-                prefix += ["taskset", "--cpu-list", str(slot.rank)]
+                prefix += ["taskset", "--cpu-list", str(cpus[slot.rank])]
             p = subprocess.Popen(prefix + list(command), env=_worker_env(slot, address, port, iface, base_env),
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
             processes.append(p)
