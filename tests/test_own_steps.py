@@ -147,6 +147,50 @@ def test_local_residual_settle_makes_the_average_the_consensus():
     np.testing.assert_array_equal(ranks[0][1], ranks[1][1])
 
 
+class _TopKBuiltDense(TopK):
+    """Top-k without `exchange_entries`: the local residual takes the general (dense) path."""
+
+    def __getattribute__(self, name):
+        if name == "exchange_entries":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def _local_residual_top_k(codec, steps=5):
+    """Each rank's (models, consensus, exchange_entries calls) after `steps` momentum-SGD steps."""
+    grads = np.random.default_rng(3).standard_t(3, size=(steps, WORKERS, 12, 10)).astype("float32")
+
+    def body(comm):
+        reducer = CompressedGradients(comm, codec(0.1), error_feedback=True, min_compress_bytes=0,
+                                      local_residual=True)
+        calls = []
+        if hasattr(reducer.codec, "exchange_entries"):
+            exchange_entries = reducer.codec.exchange_entries
+            reducer.codec.exchange_entries = lambda *args: calls.append(1) or exchange_entries(*args)
+        variables = [tf.Variable(tf.zeros([12, 10]), name="kernel"), tf.Variable(tf.zeros([10]), name="bias")]
+        optimizer = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+        for step in range(steps):
+            reducer.before_update(variables, optimizer)
+            given = [tf.constant(grads[step, comm.rank]), tf.constant(grads[step, comm.rank, 0])]
+            optimizer.apply(reducer.reduce(given, variables, optimizer), variables)
+            reducer.after_update(variables)
+        consensus = [reducer.state.variable(f"{v.name}/consensus", None).numpy() for v in variables]
+        return [v.numpy() for v in variables], consensus, len(calls)
+
+    return run_ranks(WORKERS, body)
+
+
+def test_top_k_moves_models_and_consensus_from_its_entries_as_the_dense_path_does():
+    entries, dense = _local_residual_top_k(TopK), _local_residual_top_k(_TopKBuiltDense)
+    assert [calls for _, _, calls in entries] == [5, 5] and [calls for _, _, calls in dense] == [0, 0]
+    for ranks in (entries, dense):
+        np.testing.assert_array_equal(ranks[0][1][0], ranks[1][1][0])  # one consensus, bit for bit
+        assert np.max(np.abs(ranks[0][0][0] - ranks[1][0][0])) > 1e-3  # models differ by their residuals
+    for (models_e, consensus_e, _), (models_d, consensus_d, _) in zip(entries, dense):
+        for a, b in zip(models_e + consensus_e, models_d + consensus_d):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", sorted(OWN_STEPS))
 def test_under_gradient_accumulation_only_the_applying_calls_exchange(name):
     # Keras calls the update every micro-step; with accumulation only every second call applies

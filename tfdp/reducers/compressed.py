@@ -4,6 +4,7 @@ import tensorflow as tf
 
 from tfdp._compat.tensorflow import local_variable
 from tfdp.compression import RandomK, resolve
+from tfdp.compression.codecs import dense_of_entries
 from tfdp.compression.error_feedback import ErrorFeedback
 from tfdp.reducers.base import GradientReducer, variable_key
 from tfdp.reducers.optimizer_view import gradient_for_update, next_momentum_buffer
@@ -212,6 +213,12 @@ class CompressedGradients(GradientReducer):
         if self._compresses_updates:
             self._before_update = [] if self.local_residual else [tf.identity(tf.convert_to_tensor(v))
                                                                   for v in variables]
+        if self.local_residual:
+            # Created from the weights before the first step, the same on every rank. Created at
+            # the first exchange instead, an eager loop (run_eagerly=True) started each rank's
+            # consensus from its own first step, and the ranks never agreed on one.
+            for variable in variables:
+                self._consensus(variable)
 
     def after_update(self, variables, updated=None):
         """Update compression: exchange each worker's step; every rank moves by their average
@@ -248,21 +255,51 @@ class CompressedGradients(GradientReducer):
         error feedback without a variable of its own, and no copy of the weights before the step."""
         consensus = [self._consensus(v) for v in variables]
         ahead = [tf.convert_to_tensor(v) - c for v, c in zip(variables, consensus)]
-        summed, sent = self._exchange(ahead, variables, None, correct=False, feedback=False)
         self._consensus_variables.update((id(v), (v, c)) for v, c in zip(variables, consensus))
         self._unsettled_steps.assign_add(1)
+        if hasattr(self.codec, "exchange_entries") and not self.warmup_steps:
+            self._move_by_entries(variables, consensus, ahead)
+            return tf.constant(True)
+        summed, sent = self._exchange(ahead, variables, None, correct=False, feedback=False)
         for variable, agreed, total, own in zip(variables, consensus, summed, sent):
             average = total / self.communicator.size
             agreed.assign_add(average)
             variable.assign_add(average - own)
         return tf.constant(True)
 
+    def _move_by_entries(self, variables, consensus, ahead):
+        """`_exchange_with_consensus` for a sparsifier: the same sums, built from the entries.
+
+        Scaling the k x workers values that arrived, and appending this worker's own with a
+        minus sign, before building the dense tensors saves the dense division and subtraction
+        (a pass over every entry each) of the general path."""
+        large, small = self._split(ahead)
+        step = tf.convert_to_tensor(self._step)
+        entries = self.codec.exchange_entries([ahead[i] for i in large], step, self.communicator)
+        summed_small = self.communicator.allreduce([ahead[i] for i in small], op="sum", gradients=True)
+        self._step.assign_add(1)
+        size = self.communicator.size
+        for i, (indices, values, own_indices, own_values) in zip(large, entries):
+            shape, dtype = variables[i].shape, variables[i].dtype
+            average = values / size
+            consensus[i].assign_add(dense_of_entries(indices, average, shape, dtype))
+            variables[i].assign_add(dense_of_entries(tf.concat([indices, own_indices], 0),
+                                                     tf.concat([average, -own_values], 0), shape, dtype))
+        for i, total in zip(small, summed_small):
+            average = total / size
+            consensus[i].assign_add(average)
+            variables[i].assign_add(average - ahead[i])
+
+    def _split(self, grads):
+        """Positions of the gradients large enough to compress, and of the rest."""
+        large = [i for i, g in enumerate(grads) if g.shape.num_elements() * 4 >= self.min_compress_bytes]
+        return large, [i for i in range(len(grads)) if i not in large]
+
     def _exchange(self, grads, variables, opt, correct, feedback=True):
         """The summed exchange of `grads` (one per variable): the large ones compressed after
         any dense warm-up steps (with error feedback unless `feedback` is False), the small ones
         dense; counts the step. Returns the sums and what this worker's payloads stand for."""
-        large = [i for i, g in enumerate(grads) if g.shape.num_elements() * 4 >= self.min_compress_bytes]
-        small = [i for i in range(len(grads)) if i not in large]
+        large, small = self._split(grads)
         step = tf.convert_to_tensor(self._step)
         keys = [variable_key(variables[i]) for i in large]
         chosen = [grads[i] for i in large]
