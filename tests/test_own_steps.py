@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.comm.fake import run_ranks
+from tfdp.comm.fake import fake_group, run_ranks
 from tfdp.compression import EFSign, TopK
 from tfdp.reducers import CompressedGradients, DelayedAveraging, LocalSGD, StaleGradients
 
@@ -271,3 +271,24 @@ def test_two_optimizers_each_get_their_own_exchange(name):
     # exchange, after settle both ranks hold 5 steps of each, and nothing of the other's.
     for first, second in run_ranks(2, body):
         assert first == pytest.approx(7.5) and second == pytest.approx(750.0)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_the_consensus_starts_from_the_weights_before_the_first_step(traced):
+    reducer = CompressedGradients(fake_group(1)[0], TopK(0.1), error_feedback=True,
+                                  min_compress_bytes=0, local_residual=True)
+    variable = tf.Variable(tf.zeros([100]), name=f"w_traced{traced}")
+    optimizer = keras.optimizers.SGD(LR)
+    grad = tf.constant(np.random.default_rng(0).normal(size=100).astype("float32"))
+
+    def step():
+        reducer.before_update([variable], optimizer)
+        optimizer.apply(reducer.reduce([grad], [variable], optimizer), [variable])
+        reducer.after_update([variable])
+
+    (tf.function(step) if traced else step)()
+    consensus = reducer.state.variable(f"{variable.name}/consensus", None).numpy()
+    # The consensus moved by the 10 entries sent of the first step; the model holds the other 90
+    # as its residual. Created after the step, it held all 100 and no residual was left.
+    assert np.count_nonzero(consensus) == 10
+    assert np.count_nonzero(consensus != variable.numpy()) == 90
