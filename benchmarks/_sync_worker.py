@@ -144,6 +144,10 @@ def paired_trainers(args):
     local_metrics = tfdp.MirroredStrategy(global_step_logs=False)
     with local_metrics.scope():
         local_metrics_model = build_model(args.width, args.depth)
+    # Diagnostic: the gradients in one group, as the hand-written steps send them (no buckets).
+    one_group = tfdp.MirroredStrategy(bucket_bytes=None)
+    with one_group.scope():
+        one_group_model = build_model(args.width, args.depth)
 
     size, rank = hvd.size(), hvd.rank()
     local = args.global_batch // size
@@ -152,6 +156,7 @@ def paired_trainers(args):
     return rank, {
         "tfdp": FitTrainer(tfdp_model, x, y, args.global_batch),
         "tfdp-local-metrics": FitTrainer(local_metrics_model, x, y, args.global_batch),
+        "tfdp-one-group": FitTrainer(one_group_model, x, y, args.global_batch),
         "horovod-loop": LoopTrainer(build_model(args.width, args.depth), x_shard, y_shard, local),
         "horovod-loop-metric": LoopTrainer(build_model(args.width, args.depth), x_shard, y_shard, local, True),
         "horovod-fit": FitTrainer(horovod_fit_model(args.width, args.depth), x_shard, y_shard, local),
@@ -179,10 +184,11 @@ def main():
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--inter-op-threads", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
 
     if args.variant == "mwms":
         strategy = tf.distribute.MultiWorkerMirroredStrategy(

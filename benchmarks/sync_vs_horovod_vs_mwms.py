@@ -30,6 +30,7 @@ LABELS = {
     "mwms": "tf.distribute.MultiWorkerMirroredStrategy + fit (patched for Keras 3)",
     "horovod-fit": "diagnostic: Keras fit, hand-written Horovod train_step, local logs",
     "tfdp-local-metrics": "tfdp.MirroredStrategy(global_step_logs=False) + fit",
+    "tfdp-one-group": "diagnostic: tfdp.MirroredStrategy(bucket_bytes=None) + fit (no buckets)",
     "horovod-loop-metric": "diagnostic: Horovod loop + one scalar all-reduce per step",
 }
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TFDP_VERBOSE_WORKERS": "1"}
@@ -76,10 +77,14 @@ def main():
     parser.add_argument("--steps", type=int, default=50, help="steps per timed block")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--inter-op-threads", type=int, default=1,
+                        help="TensorFlow inter-op threads per worker: with 2, tfdp's gradient buckets "
+                             "can be all-reduced while backprop goes on (docs/guide.md)")
     parser.add_argument("--json", default=str(HERE / "results" / "sync.json"))
     args = parser.parse_args()
     worker_args = [str(a) for a in ("--steps", args.steps, "--repeats", args.blocks, "--width", args.width,
-                                    "--global-batch", args.global_batch)]
+                                    "--global-batch", args.global_batch, "--inter-op-threads",
+                                    args.inter_op_threads)]
     with tempfile.TemporaryDirectory() as tmp:
         rates = {}
         for variant in ("paired", "mwms"):
@@ -93,18 +98,26 @@ def main():
     paired = [n for n in rates if n != "mwms"]
     params = 784 * args.width + args.width + args.width * args.width + args.width + args.width * 10 + 10
     print(f"\n2 workers, MLP 784-{args.width}-{args.width}-10 ({params:,} parameters), global batch "
-          f"{args.global_batch}, 1 TF thread per worker, Gloo on loopback. {args.blocks} blocks of "
+          f"{args.global_batch}, 1 intra-op and {args.inter_op_threads} inter-op TF thread(s) per worker, "
+          f"Gloo on loopback. {args.blocks} blocks of "
           f"{args.steps} steps; tfdp and Horovod variants alternate blocks in the same processes.\n")
     print("| variant | steps/s (median) | ms/step | vs hand-written Horovod loop (median of per-block ratios) |")
     print("|---|---|---|---|")
-    order = ["tfdp", "tfdp-local-metrics", "horovod-loop", "mwms", "horovod-fit", "horovod-loop-metric"]
-    for name in order:
+    order = ["tfdp", "tfdp-local-metrics", "tfdp-one-group", "horovod-loop", "mwms", "horovod-fit",
+             "horovod-loop-metric"]
+    for name in (n for n in order if n in rates):
         median = statistics.median(rates[name])
         if name in paired:
             ratio = statistics.median(r / b for r, b in zip(rates[name], base))
         else:  # Separate job: ratio of medians.
             ratio = median / statistics.median(base)
         print(f"| {LABELS[name]} | {median:.1f} | {1000 / median:.1f} | {ratio:.2f}x |")
+    for name in ("tfdp", "tfdp-one-group"):
+        if name in rates:
+            ratio = statistics.median(r / b for r, b in zip(rates[name], rates["horovod-fit"]))
+            print(f"\n{LABELS[name]} against Keras fit with a hand-written Horovod train_step "
+                  f"(median of per-block ratios): {ratio:.3f}x", end="")
+    print()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "rates": rates}, indent=1))
 
