@@ -71,6 +71,11 @@ def job_rates(out, variant):
     return {name: [min(a, b) for a, b in zip(ranks[0][name], ranks[1][name])] for name in ranks[0]}
 
 
+def per_block_ratio(rates, base):
+    """Median over blocks of `rates` / `base`, block by block (variants timed in the same blocks)."""
+    return statistics.median(r / b for r, b in zip(rates, base))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=20)
@@ -108,16 +113,15 @@ def main():
     for name in (n for n in order if n in rates):
         median = statistics.median(rates[name])
         if name in paired:
-            ratio = statistics.median(r / b for r, b in zip(rates[name], base))
+            ratio = per_block_ratio(rates[name], base)
         else:  # Separate job: ratio of medians.
             ratio = median / statistics.median(base)
         print(f"| {LABELS[name]} | {median:.1f} | {1000 / median:.1f} | {ratio:.2f}x |")
+    print()
     for name in ("tfdp", "tfdp-one-group"):
         if name in rates:
-            ratio = statistics.median(r / b for r, b in zip(rates[name], rates["horovod-fit"]))
-            print(f"\n{LABELS[name]} against Keras fit with a hand-written Horovod train_step "
-                  f"(median of per-block ratios): {ratio:.3f}x", end="")
-    print()
+            print(f"{LABELS[name]} against Keras fit with a hand-written Horovod train_step (median of "
+                  f"per-block ratios): {per_block_ratio(rates[name], rates['horovod-fit']):.3f}x")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "rates": rates}, indent=1))
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 from tfdp.comm.fake import fake_group, run_ranks
 from tfdp.compression import EFSign, TopK
 from tfdp.reducers import CompressedGradients, DelayedAveraging, LocalSGD, StaleGradients
+from tfdp.reducers.base import variable_key
 
 WORKERS = 2
 STEPS = 16
@@ -59,6 +60,11 @@ def train(make_reducer, settle=True):
         return np.array(seen), variable.numpy().copy(), comm.stats.as_dict()
 
     return run_ranks(WORKERS, body)
+
+
+def consensus_of(reducer, variable):
+    """The local residual's consensus of `variable`, as a NumPy array."""
+    return reducer.state.variable(f"{variable_key(variable)}/consensus", None).numpy()
 
 
 OWN_STEPS = {
@@ -132,11 +138,9 @@ def test_local_residual_settle_makes_the_average_the_consensus():
             grads = reducer.reduce([tf.constant(gradient(variable.numpy(), comm.rank))], [variable], optimizer)
             optimizer.apply(grads, [variable])
             reducer.after_update([variable])
-        consensus = reducer.state.variable(f"{variable.path if hasattr(variable, 'path') else variable.name}/consensus",
-                                           None)
-        residual = np.abs(variable.numpy() - consensus.numpy()).sum()
+        residual = np.abs(variable.numpy() - consensus_of(reducer, variable)).sum()
         reducer.settle()
-        return residual, variable.numpy(), consensus.numpy(), comm.stats.as_dict()
+        return residual, variable.numpy(), consensus_of(reducer, variable), comm.stats.as_dict()
 
     ranks = run_ranks(2, body)
     for residual, model, consensus, stats in ranks:
@@ -147,26 +151,18 @@ def test_local_residual_settle_makes_the_average_the_consensus():
     np.testing.assert_array_equal(ranks[0][1], ranks[1][1])
 
 
-class _TopKBuiltDense(TopK):
-    """Top-k without `exchange_entries`: the local residual takes the general (dense) path."""
-
-    def __getattribute__(self, name):
-        if name == "exchange_entries":
-            raise AttributeError(name)
-        return super().__getattribute__(name)
-
-
-def _local_residual_top_k(codec, steps=5):
-    """Each rank's (models, consensus, exchange_entries calls) after `steps` momentum-SGD steps."""
+def _local_residual_top_k(from_entries, steps=5):
+    """Each rank's (models, consensus, exchange_entries calls) after `steps` momentum-SGD steps;
+    without `from_entries` the local residual takes the general (dense) path."""
     grads = np.random.default_rng(3).standard_t(3, size=(steps, WORKERS, 12, 10)).astype("float32")
 
     def body(comm):
-        reducer = CompressedGradients(comm, codec(0.1), error_feedback=True, min_compress_bytes=0,
+        reducer = CompressedGradients(comm, TopK(0.1), error_feedback=True, min_compress_bytes=0,
                                       local_residual=True)
         calls = []
-        if hasattr(reducer.codec, "exchange_entries"):
-            exchange_entries = reducer.codec.exchange_entries
-            reducer.codec.exchange_entries = lambda *args: calls.append(1) or exchange_entries(*args)
+        exchange_entries = reducer.codec.exchange_entries
+        reducer.codec.exchange_entries = (lambda *args: calls.append(1) or exchange_entries(*args)) \
+            if from_entries else None
         variables = [tf.Variable(tf.zeros([12, 10]), name="kernel"), tf.Variable(tf.zeros([10]), name="bias")]
         optimizer = keras.optimizers.SGD(LR, momentum=MOMENTUM)
         for step in range(steps):
@@ -174,14 +170,13 @@ def _local_residual_top_k(codec, steps=5):
             given = [tf.constant(grads[step, comm.rank]), tf.constant(grads[step, comm.rank, 0])]
             optimizer.apply(reducer.reduce(given, variables, optimizer), variables)
             reducer.after_update(variables)
-        consensus = [reducer.state.variable(f"{v.name}/consensus", None).numpy() for v in variables]
-        return [v.numpy() for v in variables], consensus, len(calls)
+        return [v.numpy() for v in variables], [consensus_of(reducer, v) for v in variables], len(calls)
 
     return run_ranks(WORKERS, body)
 
 
 def test_top_k_moves_models_and_consensus_from_its_entries_as_the_dense_path_does():
-    entries, dense = _local_residual_top_k(TopK), _local_residual_top_k(_TopKBuiltDense)
+    entries, dense = _local_residual_top_k(True), _local_residual_top_k(False)
     assert [calls for _, _, calls in entries] == [5, 5] and [calls for _, _, calls in dense] == [0, 0]
     for ranks in (entries, dense):
         np.testing.assert_array_equal(ranks[0][1][0], ranks[1][1][0])  # one consensus, bit for bit
@@ -287,7 +282,7 @@ def test_the_consensus_starts_from_the_weights_before_the_first_step(traced):
         reducer.after_update([variable])
 
     (tf.function(step) if traced else step)()
-    consensus = reducer.state.variable(f"{variable.name}/consensus", None).numpy()
+    consensus = consensus_of(reducer, variable)
     # The consensus moved by the 10 entries sent of the first step; the model holds the other 90
     # as its residual. Created after the step, it held all 100 and no residual was left.
     assert np.count_nonzero(consensus) == 10

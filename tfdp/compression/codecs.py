@@ -32,6 +32,9 @@ class Codec:
 
     name = "codec"
     summable = True
+    #: Codecs whose payloads are (index, value) entries define it (top-k): the round of
+    #: `exchange` delivered as entries. None: only dense sums (see `TopK.exchange_entries`).
+    exchange_entries = None
 
     def payload_bytes(self, shape):
         """Bytes one worker hands to collectives for a tensor of `shape` (float32 gradients)."""

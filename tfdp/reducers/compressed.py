@@ -257,7 +257,7 @@ class CompressedGradients(GradientReducer):
         ahead = [tf.convert_to_tensor(v) - c for v, c in zip(variables, consensus)]
         self._consensus_variables.update((id(v), (v, c)) for v, c in zip(variables, consensus))
         self._unsettled_steps.assign_add(1)
-        if hasattr(self.codec, "exchange_entries") and not self.warmup_steps:
+        if self.codec.exchange_entries is not None and not self.warmup_steps:
             self._move_by_entries(variables, consensus, ahead)
             return tf.constant(True)
         summed, sent = self._exchange(ahead, variables, None, correct=False, feedback=False)
