@@ -37,7 +37,9 @@ FULL_TIER_ONLY = {"numpy_shuffled", "list_inputs", "class_weight", "tf_data_repe
                   "embedding_sparse_gradients_momentum_sgd", "custom_test_step_flat", "batchnorm_per_replica",
                   "gru_masked_embedding", "conv1d_text", "shared_layer_two_inputs", "nesterov_clipnorm", "clipvalue",
                   "adamw_lr_schedule", "ema_weights", "seed_after_strategy", "fit_again_from_initial_epoch",
-                  "epoch_callbacks", "auc_precision_recall", "py_dataset", "tf_data_shuffle_prefetch"}
+                  "epoch_callbacks", "auc_precision_recall", "py_dataset", "tf_data_shuffle_prefetch",
+                  "tf_data_filter_unknown_cardinality", "string_inputs_string_lookup", "reduce_lr_on_plateau",
+                  "jit_compile_requested", "attention_block_adamw"}
 
 
 def programs_to_run(session):

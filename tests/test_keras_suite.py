@@ -18,8 +18,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.full]
 SUITE = Path(keras.__file__).parent / "src" / "trainers" / "trainer_test.py"
 PLUGIN_DIR = Path(__file__).parent / "keras_suite"
 ALLOWED = {
-    # Horovod's collectives cannot be compiled by XLA (tfdp says so on every rank).
-    "jit_compile": r"cannot be compiled by XLA.*Pass jit_compile=False",
     # A global batch of 1 cannot give 2 workers a row each (tfdp says so on every rank).
     "batch of 1": r"The global batch size 1 is smaller than the number of workers \(2\)",
     # An optional data loader that is not installed here.

@@ -1,5 +1,6 @@
 """The tf.distribute API of tfdp.MirroredStrategy across two real workers."""
 
+import numpy as np
 import pytest
 from conftest import assert_ok, run_workers
 
@@ -67,3 +68,22 @@ def test_global_step_logs_option(results):
     assert on[0]["batch"] == on[1]["batch"]
     assert off[0]["batch"] != off[1]["batch"]
     assert off[0]["batch"] != on[0]["batch"]
+
+
+def test_jit_compile_true_falls_back_without_xla_and_warns_once(results):
+    # keras/src/trainers/trainer.py turns XLA off, warning, for models it cannot compile; tfdp does
+    # the same for steps that hold Horovod collectives, under a strategy and a DistributedOptimizer.
+    for name in ("strategy", "distributed_optimizer"):
+        first, second = (r[f"xla_{name}"] for r in results)
+        assert (first["jit_compile"], second["jit_compile"]) == (False, False)
+        assert (first["warned"], second["warned"]) == (1, 0)  # rank 0 only
+        assert first["weights"] == second["weights"]
+    # Both follow one process's batch-16 SGD: the strategy splits each global batch of 16, and
+    # under the DistributedOptimizer every worker fits all of (x, y) at 16 rows per step.
+    by_strategy, by_optimizer = (results[0][f"xla_{name}"]["weights"] for name in ("strategy", "distributed_optimizer"))
+    for a, b in zip(by_strategy, by_optimizer):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    # A custom step compiled by XLA cannot be rewritten: a ValueError that names the fix, on every rank.
+    for r in results:
+        assert "cannot be compiled by XLA" in r["xla_custom_step_error"]
+        assert "Pass jit_compile=False to tf.function" in r["xla_custom_step_error"]

@@ -249,6 +249,35 @@ def fit_py_dataset(make_strategy, **kwargs):
 
 
 @program()
+def tf_data_filter_unknown_cardinality(make_strategy):
+    # `filter` hides the length (cardinality UNKNOWN); 7 batches, an odd count for 2 workers.
+    x, y = regression(n=7 * GLOBAL_BATCH)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda features, target: target[0] > -10).batch(GLOBAL_BATCH)
+    model = build(make_strategy)
+    history = model.fit(ds, epochs=2, verbose=0)
+    return result(model, history, model.evaluate(ds, verbose=0))
+
+
+@program()
+def string_inputs_string_lookup(make_strategy):
+    # String tensors in the batch: the model looks words up itself (StringLookup + Embedding).
+    words = np.array(["red", "green", "blue", "cyan", "pink"])
+    rng = np.random.default_rng(4)
+    text = words[rng.integers(0, len(words), size=(96, 2))]
+    y = ((text[:, 0] == "red") | (text[:, 1] == "blue")).astype("float32")[:, None]
+    ds = tf.data.Dataset.from_tensor_slices((tf.constant(text), y)).batch(GLOBAL_BATCH)
+
+    def model_fn():
+        inp = keras.Input((2,), dtype="string")
+        ids = keras.layers.StringLookup(vocabulary=list(words))(inp)
+        h = keras.layers.Flatten()(keras.layers.Embedding(len(words) + 1, 3)(ids))
+        return keras.Model(inp, keras.layers.Dense(1)(h))
+
+    model = build(make_strategy, model_fn)
+    history = model.fit(ds, epochs=2, verbose=0)
+    return result(model, history, predict=model.predict(tf.constant(text[:40]), batch_size=16, verbose=0))
+
+@program()
 def py_dataset(make_strategy):
     return fit_py_dataset(make_strategy)
 
@@ -572,6 +601,25 @@ class ActivityLoss(keras.layers.Layer):
 
 
 @program()
+def attention_block_adamw(make_strategy):
+    # A transformer block: token embedding, self-attention, residual, layer norm, pooling.
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(1, 40, size=(96, 10)).astype("int32")
+    y = (tokens[:, :3].sum(axis=1) % 2).astype("int32")
+
+    def model_fn():
+        inp = keras.Input((10,), dtype="int32")
+        h = keras.layers.Embedding(40, 8)(inp)
+        h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, 4)(h, h))
+        return keras.Model(inp, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h)))
+
+    model, history = fit_mlp(make_strategy, tokens, y, lambda: {
+        "optimizer": keras.optimizers.AdamW(0.005, weight_decay=0.01),
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "metrics": ["accuracy"]},
+        model_fn=model_fn)
+    return result(model, history)
+
+@program()
 def regularizer_and_layer_losses(make_strategy):
     x, y = regression()
     model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: keras.Sequential([
@@ -707,6 +755,23 @@ def adamw_lr_schedule(make_strategy):
         "optimizer": keras.optimizers.AdamW(schedule, weight_decay=0.1)}, epochs=3)
     return result(model, history)
 
+
+@program()
+def reduce_lr_on_plateau(make_strategy):
+    # A callback that assigns the learning rate between epochs (min_delta so large it always fires).
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, epochs=3, callbacks=[
+        keras.callbacks.ReduceLROnPlateau("loss", factor=0.5, patience=0, min_delta=10.0)])
+    return result(model, history, learning_rate=float(model.optimizer.learning_rate.numpy()))
+
+
+@program()
+def jit_compile_requested(make_strategy):
+    # One process compiles the step with XLA; tfdp falls back to no XLA (warned on rank 0).
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"jit_compile": True, "metrics": ["mae"]})
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  model.predict(x[:45], batch_size=GLOBAL_BATCH, verbose=0))
 
 @program()
 def ema_weights(make_strategy):

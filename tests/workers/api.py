@@ -1,6 +1,8 @@
 """Exercise the tf.distribute API of tfdp.MirroredStrategy; write what each call returned."""
 
 import argparse
+import contextlib
+import warnings
 
 from _common import write_result
 
@@ -98,7 +100,39 @@ def main():
         history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[batch_losses])
         result[f"global_step_logs={global_step_logs}"] = {
             "batch": batch_losses.losses, "epoch": history.history["loss"]}
+    result.update(xla_requested(strategy, x, y))
     write_result(args.out, result)
+
+
+def xla_requested(strategy, x, y):
+    """compile(jit_compile=True) under the strategy and under a DistributedOptimizer falls back to
+    False (warned on rank 0); a custom step's tf.function(jit_compile=True) is a ValueError."""
+    out = {}
+    for name in ("strategy", "distributed_optimizer"):
+        keras.utils.set_random_seed(9)
+        with strategy.scope() if name == "strategy" else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+            optimizer = keras.optimizers.SGD(0.1)
+            model.compile(optimizer=optimizer if name == "strategy" else tfdp.DistributedOptimizer(optimizer),
+                          loss="mse", jit_compile=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        out[f"xla_{name}"] = {"jit_compile": model.jit_compile, "weights": [w.tolist() for w in model.get_weights()],
+                              "warned": sum("cannot be compiled by XLA" in str(w.message) for w in caught)}
+        if name == "distributed_optimizer":
+            @tf.function(jit_compile=True)
+            def custom_step(features, labels):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(features) - labels) ** 2)
+                model.optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+            try:
+                custom_step(x[:8], y[:8])
+                out["xla_custom_step_error"] = None
+            except ValueError as error:
+                out["xla_custom_step_error"] = str(error)
+    return out
 
 
 if __name__ == "__main__":

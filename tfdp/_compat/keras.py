@@ -17,6 +17,7 @@ import contextlib
 import copy
 import functools
 import threading
+import warnings
 import weakref
 
 _installed = False
@@ -202,6 +203,10 @@ def _reduce(reducer, grads, variables, optimizer):
     if variables is None:
         raise RuntimeError("tfdp: gradients reached Keras's clipping outside `_backend_apply_gradients`; "
                            "this Keras version calls its hooks in an order tfdp does not know.")
+    from tfdp._compat.tensorflow import XLA_ERROR, in_xla_context
+
+    if reducer.communicator.size > 1 and in_xla_context():  # a custom step's tf.function(jit_compile=True)
+        raise ValueError(XLA_ERROR)
     hooks = _strategy_hooks(getattr(optimizer, "_distribution_strategy", None))
     if hooks is not None:
         grads = hooks.gradients_ready(grads)
@@ -755,8 +760,13 @@ def _patch_step_function(kind):
     @functools.wraps(original)
     def make_function(self, force=False):
         hooks = _strategy_hooks(self._distribute_strategy)
+        if hooks is None and kind == "train" and (getattr(self, attribute) is None or force):
+            reducer = bound_reducer(getattr(self, "optimizer", None))  # DistributedOptimizer, no strategy
+            if reducer is not None:
+                _without_xla(self, reducer.communicator.size, reducer.communicator.rank == 0)
         if hooks is None or (getattr(self, attribute) is not None and not force):
             return original(self, force)
+        _without_xla(self, self._distribute_strategy.num_replicas_in_sync, hooks.is_chief)
         step = getattr(self, f"{kind}_step")
         around_step = hooks.training_step if kind == "train" else hooks.evaluation_step
 
@@ -785,6 +795,25 @@ def _patch_step_function(kind):
     setattr(tf_trainer.TensorFlowTrainer, maker, make_function)
 
 
+XLA_FALLBACK_WARNING = ("tfdp: Horovod's collectives cannot be compiled by XLA, so this model's steps run "
+                        "without it. Proceeding with `jit_compile=False`.")
+
+
+def _without_xla(model, workers, is_chief):
+    """Turn a model's ``jit_compile=True`` off, with a warning, when its steps hold collectives
+    (`workers` > 1; the warning on the chief only).
+
+    keras/src/trainers/trainer.py does the same for a model with a layer XLA cannot compile
+    ("Model doesn't support `jit_compile=True`. Proceeding with `jit_compile=False`."), and
+    its ``"auto"`` already means False under a tf.distribute strategy: a script that asks for
+    XLA then trains on several workers instead of failing at its first step.
+    """
+    if model.jit_compile and workers > 1:
+        if is_chief:  # one warning for the job
+            warnings.warn(XLA_FALLBACK_WARNING, stacklevel=2)
+        model.jit_compile = False
+
+
 def _patch_predict_function():
     # keras/src/backend/tensorflow/trainer.py: `make_predict_function` builds
     # `predict_function(data)`, whose `strategy.run` gets each global batch (tfdp splits it).
@@ -796,6 +825,8 @@ def _patch_predict_function():
     def make_predict_function(self, force=False):
         if _strategy_hooks(self._distribute_strategy) is None or (self.predict_function is not None and not force):
             return original(self, force)
+        _without_xla(self, self._distribute_strategy.num_replicas_in_sync,
+                     _strategy_hooks(self._distribute_strategy).is_chief)
         original(self, force)
         function = self.predict_function
 

@@ -93,6 +93,11 @@ def global_seed():
     return tf.compat.v1.get_default_graph().seed
 
 
+XLA_ERROR = ("tfdp runs Horovod collectives, which cannot be compiled by XLA. Received a step compiled with "
+             "jit_compile=True. Pass jit_compile=False to tf.function (model.compile(jit_compile=True) "
+             "falls back to False by itself).")
+
+
 def in_xla_context():
     """True while tracing a function that XLA will compile (jit_compile=True).
 

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tfdp._compat.keras import (UNKNOWN, StrategyHooks, distributing_for_keras, one_replica_step,
                                 step_takes_whole_batch)
 from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVariable, creating_local_variables,
-                                     in_xla_context, local_variable)
+                                     XLA_ERROR, in_xla_context, local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, take_rows
@@ -103,11 +103,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if self._size > 1 and in_xla_context():
-            raise ValueError(
-                "tfdp runs Horovod collectives, which cannot be compiled by XLA. "
-                "Received a step compiled with jit_compile=True. "
-                "Pass jit_compile=False to model.compile() (or to tf.function)."
-            )
+            raise ValueError(XLA_ERROR)
         # One local replica: run it inline, as TF's default strategy does. Unlike
         # MirroredStrategy's replica threads, an inline ReplicaContext can merge_call
         # from inside cond branches (LossScaleOptimizer updates variables there).
