@@ -87,3 +87,14 @@ def test_jit_compile_true_falls_back_without_xla_and_warns_once(results):
     for r in results:
         assert "cannot be compiled by XLA" in r["xla_custom_step_error"]
         assert "Pass jit_compile=False to tf.function" in r["xla_custom_step_error"]
+
+
+def test_custom_loop_under_a_preset_of_own_models_ends_as_one_model_after_settle(results):
+    # topk-1pct keeps what compression held back in each worker's model: after 7 steps the
+    # ranks differ (the control), and `strategy.settle` leaves every rank with their average.
+    before = [r["custom_loop_before_settle"] for r in results]
+    after = [r["custom_loop_after_settle"] for r in results]
+    assert before[0] != before[1]
+    assert after[0] == after[1]
+    for a, b0, b1 in zip(after[0], *before):
+        np.testing.assert_allclose(a, (np.array(b0) + np.array(b1)) / 2, atol=1e-6)

@@ -101,7 +101,35 @@ def main():
         result[f"global_step_logs={global_step_logs}"] = {
             "batch": batch_losses.losses, "epoch": history.history["loss"]}
     result.update(xla_requested(strategy, x, y))
+    result.update(custom_loop_then_settle(x, y))
     write_result(args.out, result)
+
+
+def custom_loop_then_settle(x, y):
+    """tf.distribute's custom loop (strategy.run over experimental_distribute_dataset) under a preset
+    whose workers keep their own models (topk-1pct's local residual): `strategy.settle` makes them one."""
+    strategy = tfdp.strategy("topk-1pct")
+    keras.utils.set_random_seed(9)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(64), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.05)
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(features, labels):
+        def replica_step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((model(features) - labels) ** 2) / 16  # the global batch
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        strategy.run(replica_step, args=(features, labels))
+
+    for features, labels in strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(16)):
+        step(features, labels)
+    before = [w.tolist() for w in model.get_weights()]
+    strategy.settle(optimizer)
+    return {"custom_loop_before_settle": before, "custom_loop_after_settle": [w.tolist() for w in model.get_weights()]}
 
 
 def xla_requested(strategy, x, y):
