@@ -47,6 +47,7 @@ def ordinary_program(tmp_path):
     model.test_on_batch(x[:16], y[:16])
     model.predict_on_batch(x[:16])
     model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
 
 
 def test_keras_calls_every_hook(tmp_path):

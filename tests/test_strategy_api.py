@@ -98,3 +98,11 @@ def test_custom_loop_under_a_preset_of_own_models_ends_as_one_model_after_settle
     assert after[0] == after[1]
     for a, b0, b1 in zip(after[0], *before):
         np.testing.assert_allclose(a, (np.array(b0) + np.array(b1)) / 2, atol=1e-6)
+
+
+def test_saving_on_every_rank_writes_once_on_rank_0(results):
+    # Both ranks call save_weights, save, keras.saving.save_model and fit with a CSVLogger, each
+    # also to a path of its own: only rank 0's files exist, and both ranks load rank 0's.
+    for r in results:
+        assert r["saved_files"] == ["log-rank0.csv", "model-rank0.keras", "model.keras", "model.weights.h5"]
+        assert r["loaded_equals_own"]

@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import warnings
+from pathlib import Path
 
 from _common import write_result
 
@@ -102,7 +103,27 @@ def main():
             "batch": batch_losses.losses, "epoch": history.history["loss"]}
     result.update(xla_requested(strategy, x, y))
     result.update(custom_loop_then_settle(x, y))
+    result.update(saved_by_every_rank(strategy, x, y, Path(args.out) / "saved"))
     write_result(args.out, result)
+
+
+def saved_by_every_rank(strategy, x, y, folder):
+    """An unchanged script saves on every rank, to one path: only rank 0 writes (also CSVLogger)."""
+    rank = tfdp.rank()
+    folder.mkdir(exist_ok=True)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+              callbacks=[keras.callbacks.CSVLogger(str(folder / f"log-rank{rank}.csv"))])
+    model.save_weights(folder / "model.weights.h5")  # rank 1's write hit HDF5's file lock before
+    model.save(folder / "model.keras")
+    keras.saving.save_model(model, folder / f"model-rank{rank}.keras")
+    strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)  # a barrier: rank 0 has written
+    loaded = keras.models.load_model(folder / "model.keras")
+    loaded.load_weights(folder / "model.weights.h5")
+    return {"saved_files": sorted(p.name for p in folder.iterdir()),
+            "loaded_equals_own": all(np.array_equal(a, b) for a, b in zip(loaded.get_weights(), model.get_weights()))}
 
 
 def custom_loop_then_settle(x, y):

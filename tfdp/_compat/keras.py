@@ -912,9 +912,11 @@ def _patch_callbacks():
     # add_progbar, model, **params)` is built by fit/evaluate/predict. tfdp's own callbacks
     # go first (on every rank). On workers other than rank 0 tfdp drops the progress bar
     # and TensorBoard, and ModelCheckpoint and BackupAndRestore keep counting batches (so
-    # every rank knows when a checkpoint is due) but never write.
+    # every rank knows when a checkpoint is due) but never write. CSVLogger writes on rank 0 only
+    # too (every rank's logs are global, and two ranks wrote the same file).
     from keras.src.callbacks import callback_list
     from keras.src.callbacks.backup_and_restore import BackupAndRestore
+    from keras.src.callbacks.csv_logger import CSVLogger
     from keras.src.callbacks.model_checkpoint import ModelCheckpoint
     from keras.src.callbacks.tensorboard import TensorBoard
 
@@ -930,7 +932,7 @@ def _patch_callbacks():
                 add_progbar = False
                 kept = []
                 for callback in callbacks:
-                    if isinstance(callback, TensorBoard):
+                    if isinstance(callback, (TensorBoard, CSVLogger)):
                         continue
                     if isinstance(callback, ModelCheckpoint):
                         callback._save_model = lambda *args, **kwargs: None
@@ -1026,6 +1028,57 @@ def _patch_epoch_iterator():
     tf_trainer.TFEpochIterator.__next__ = __next__
 
 
+def _saving_rank(model):
+    """``(rank, workers)`` of the job `model` trains in through tfdp (a tfdp strategy, or a
+    `DistributedOptimizer` without one), or None for a model tfdp does not train."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    hooks = _strategy_hooks(strategy)
+    if hooks is not None:
+        return (0 if hooks.is_chief else 1), strategy.num_replicas_in_sync
+    reducer = bound_reducer(getattr(model, "optimizer", None))
+    return None if reducer is None else (reducer.communicator.rank, reducer.communicator.size)
+
+
+def _written_on_rank_0(function):
+    """Wrap ``function(model, filepath, ...)`` so that only rank 0 writes `filepath`; the other
+    ranks write the same file into a temporary directory, deleted after."""
+
+    @functools.wraps(function)
+    def wrapper(model, filepath, *args, **kwargs):
+        import os
+        import tempfile
+
+        job = _saving_rank(model)
+        if job is None or job[1] == 1 or job[0] == 0:
+            return function(model, filepath, *args, **kwargs)
+        with tempfile.TemporaryDirectory(prefix="tfdp-save-") as folder:
+            return function(model, os.path.join(folder, os.path.basename(os.fspath(filepath))), *args, **kwargs)
+
+    wrapper._tfdp_original = function
+    return wrapper
+
+
+def _patch_saving():
+    # keras/src/saving/saving_api.py: `save_model(model, filepath, ...)` and `save_weights(model,
+    # filepath, ...)`; Model.save and Model.save_weights call them through the module, and
+    # keras.saving and keras.models re-export save_model. An unchanged script saves on every
+    # rank, to one path: HDF5 refused rank 1's write of `.weights.h5` (a lock error), and ranks
+    # writing one `.keras` zip race. The other ranks write to a temporary directory instead
+    # (Keras's advice for MultiWorkerMirroredStrategy), so every rank runs the same saving code
+    # and raises the same errors (an unsettled sharded state), and no collective is needed: the
+    # Horovod idiom `if rank == 0: model.save(...)` still works.
+    import keras
+    from keras.src.saving import saving_api
+
+    for name in ("save_model", "save_weights"):
+        original = getattr(saving_api, name)
+        wrapped = _written_on_rank_0(original)
+        setattr(saving_api, name, wrapped)
+        for public in (keras.saving, keras.models):
+            if getattr(public, name, None) is original:
+                setattr(public, name, wrapped)
+
+
 def install():
     """Install all hooks once per process."""
     global _installed
@@ -1043,6 +1096,7 @@ def install():
     _patch_reset_metrics()
     _patch_metric_variables()
     _patch_compile()
+    _patch_saving()
     _installed = True
 
 
@@ -1053,6 +1107,7 @@ def hooked_functions():
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.callbacks import callback_list
     from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+    from keras.src.saving import saving_api
     from keras.src.trainers import trainer
 
     return [
@@ -1076,5 +1131,7 @@ def hooked_functions():
         (trainer.Trainer, "get_metrics_result"),
         (core.Variable, "_direct_assign"),
         (trainer.Trainer, "compile"),
+        (saving_api, "save_model"),
+        (saving_api, "save_weights"),
     ]
 
