@@ -35,7 +35,8 @@ def ordinary_program(tmp_path):
     y = x.sum(axis=1, keepdims=True)
     strategy = tfdp.MirroredStrategy()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.01, clipnorm=1.0), loss="mse")
         scaled = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         scaled.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")

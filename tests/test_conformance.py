@@ -6,7 +6,7 @@ under `tf.distribute.MirroredStrategy` on two logical CPUs, and under
 process, or tf.distribute where Keras defines the result by it) within 1e-5 relative, in
 weights, History, evaluate and predict, with both ranks reporting the same numbers. The
 table of all programs is written to ``conformance.md`` in the test's output folder and
-printed with ``pytest -s``. The quick tier runs 41 of the 61 programs (`FULL_TIER_ONLY`
+printed with ``pytest -s``. The quick tier runs 42 of the 66 programs (`FULL_TIER_ONLY`
 names the others, each a variant of a quick one); the full tier runs all.
 """
 
@@ -38,7 +38,7 @@ FULL_TIER_ONLY = {"numpy_shuffled", "list_inputs", "class_weight", "tf_data_repe
                   "gru_masked_embedding", "conv1d_text", "shared_layer_two_inputs", "nesterov_clipnorm", "clipvalue",
                   "adamw_lr_schedule", "ema_weights", "seed_after_strategy", "fit_again_from_initial_epoch",
                   "epoch_callbacks", "auc_precision_recall", "py_dataset", "tf_data_shuffle_prefetch",
-                  "tf_data_filter_unknown_cardinality", "string_inputs_string_lookup", "reduce_lr_on_plateau",
+                  "tf_data_filter_unknown_cardinality", "string_inputs_string_lookup",
                   "jit_compile_requested", "attention_block_adamw"}
 
 

@@ -147,8 +147,8 @@ def bind_reducer(optimizer, reducer):
 
 
 def bound_reducer(optimizer):
-    """The reducer `bind_reducer` gave `optimizer`, or None."""
-    return _bound_reducers.get(optimizer)
+    """The reducer `bind_reducer` gave `optimizer`, or None (also for no optimizer)."""
+    return None if optimizer is None else _bound_reducers.get(optimizer)
 
 
 def gradient_reducer(optimizer):
@@ -1028,6 +1028,36 @@ def _patch_epoch_iterator():
     tf_trainer.TFEpochIterator.__next__ = __next__
 
 
+def _patch_batch_norm_moments():
+    # keras/src/layers/normalization/batch_normalization.py: `call` (training) takes
+    # `mean, variance = self._moments(inputs, mask)`, moves the moving statistics towards them
+    # and normalizes with them. A global batch smaller than the number of workers (a last batch
+    # of 1 row on 2 workers) leaves a rank no rows: per-replica moments of nothing are NaN, and
+    # they reached the moving statistics and, through `offset - mean * inv` (0 * NaN), gamma's
+    # gradient on every rank. Such a rank uses its moving statistics instead: they stay as they
+    # were, and its gradients are zero. (Synchronized batch norm takes global moments: unaffected.)
+    import tensorflow as tf
+    from keras.src.layers.normalization import batch_normalization
+
+    from tfdp.reducers.base import rows_in_this_step
+
+    layer = batch_normalization.BatchNormalization
+    original = layer._moments
+
+    @functools.wraps(original)
+    def _moments(self, inputs, mask):
+        mean, variance = original(self, inputs, mask)
+        rows = rows_in_this_step()
+        if rows is None or self.synchronized:
+            return mean, variance
+        empty = tf.equal(rows, 0)
+        return (tf.where(empty, tf.cast(self.moving_mean, mean.dtype), mean),
+                tf.where(empty, tf.cast(self.moving_variance, variance.dtype), variance))
+
+    _moments._tfdp_original = original
+    layer._moments = _moments
+
+
 def _saving_rank(model):
     """``(rank, workers)`` of the job `model` trains in through tfdp (a tfdp strategy, or a
     `DistributedOptimizer` without one), or None for a model tfdp does not train."""
@@ -1097,6 +1127,7 @@ def install():
     _patch_metric_variables()
     _patch_compile()
     _patch_saving()
+    _patch_batch_norm_moments()
     _installed = True
 
 
@@ -1106,6 +1137,7 @@ def hooked_functions():
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.callbacks import callback_list
+    from keras.src.layers.normalization import batch_normalization
     from keras.src.optimizers import base_optimizer, loss_scale_optimizer
     from keras.src.saving import saving_api
     from keras.src.trainers import trainer
@@ -1133,5 +1165,6 @@ def hooked_functions():
         (trainer.Trainer, "compile"),
         (saving_api, "save_model"),
         (saving_api, "save_weights"),
+        (batch_normalization.BatchNormalization, "_moments"),
     ]
 

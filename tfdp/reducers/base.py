@@ -175,7 +175,7 @@ class GradientReducer(abc.ABC):
     def _sum_weighted_by_rows(self, grads, variables, dense, slices, opt, rows):
         """The summed dense gradients (before `_after_reduce`) and slices, row-weighted unless `rows`
         is None."""
-        weight = (lambda g: g) if rows is None else (lambda g: _scaled(g, tf.cast(rows, tf.float32)))
+        weight = (lambda g: g) if rows is None else (lambda g: _scaled(g, tf.cast(rows, tf.float32), no_nan=True))
         dense_grads = [weight(tf.convert_to_tensor(grads[i])) for i in dense]
         dense_vars = [variables[i] for i in dense]
         if rows is not None:  # the row count rides along in the same exchange
@@ -272,7 +272,11 @@ def variable_bytes(variable):
     return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
 
 
-def _scaled(grad, factor):
+def _scaled(grad, factor, no_nan=False):
+    """``grad * factor``; with `no_nan`, 0 where `factor` is 0 even if `grad` is not finite (a rank
+    with no rows of a global batch smaller than the workers: batch statistics of nothing are NaN)."""
+    multiply = tf.math.multiply_no_nan if no_nan else tf.multiply
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
+        return tf.IndexedSlices(multiply(grad.values, tf.cast(factor, grad.values.dtype)), grad.indices,
+                                grad.dense_shape)
+    return multiply(grad, tf.cast(factor, grad.dtype))
