@@ -30,13 +30,28 @@ def spy_on(functions, counts):
     return originals
 
 
+class RowCounter(keras.layers.Layer):
+    """Counts the rows it trains on, up and down (a layer's own state, summed over workers)."""
+
+    def build(self, shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum")
+        self.left = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum")
+
+    def call(self, x, training=False):
+        if training:
+            rows = keras.ops.cast(keras.ops.shape(x)[0], "float32")
+            self.seen.assign_add(rows)
+            self.left.assign_sub(rows)
+        return x
+
+
 def ordinary_program(tmp_path):
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     strategy = tfdp.MirroredStrategy()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential([keras.Input((4,)), RowCounter(), keras.layers.Dense(8),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.01, clipnorm=1.0), loss="mse")
         scaled = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         scaled.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")

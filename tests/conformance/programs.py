@@ -543,6 +543,7 @@ def batchnorm_per_replica(make_strategy):
     out["per_rank_moving_statistics"] = [w.numpy().tolist() for w in model.non_trainable_weights]
     return out
 
+
 @program()
 def batchnorm_rank_without_rows(make_strategy):
     # One row per global batch: on 2 workers rank 0 gets none in every step. Its per-replica
@@ -560,6 +561,41 @@ def batchnorm_rank_without_rows(make_strategy):
     out["uncompared_moving_statistics"] = [w.numpy().tolist() for w in model.non_trainable_weights]
     out["per_rank_finite_moving_statistics"] = all(bool(np.isfinite(w.numpy()).all()) for w in model.non_trainable_weights)
     return out
+
+
+class LayerState(keras.layers.Layer):
+    """A layer's own state, updated in its training call: rows seen and a running sum over its
+    inputs (aggregation="sum"), rows left of a budget (`assign_sub`), and its calls (the default
+    aggregation: per worker, one per step)."""
+
+    def build(self, shape):
+        summed = {"trainable": False, "aggregation": "sum"}
+        self.rows = self.add_weight(shape=(), initializer="zeros", name="rows", **summed)
+        self.total = self.add_weight(shape=(shape[-1],), initializer="zeros", name="total", **summed)
+        self.budget = self.add_weight(shape=(), initializer=keras.initializers.Constant(1000.0), name="budget",
+                                      **summed)
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+    def call(self, x, training=False):
+        if training:
+            rows = keras.ops.cast(keras.ops.shape(x)[0], "float32")
+            self.rows.assign_add(rows)
+            self.total.assign_add(keras.ops.sum(keras.ops.round(4 * x), axis=0))  # exact in any order
+            self.budget.assign_sub(rows)
+            self.calls.assign_add(1.0)
+        return x
+
+
+@program()
+def layer_state_summed_in_step(make_strategy):
+    # Keras's assign_add is assign(self + value); under a strategy a "sum" variable summed every
+    # worker's `self + value`, counting the old value once per worker each step (tf.distribute
+    # still does: 8160 rows for 256).
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: keras.Sequential(
+        [keras.Input((6,)), LayerState(), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]))
+    return result(model, history)
+
 
 @program()
 def lstm_sequences(make_strategy):
