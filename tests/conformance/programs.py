@@ -21,6 +21,7 @@ import tensorflow as tf
 
 GLOBAL_BATCH = 32
 SEED = 11
+SHARED_FOLDER_ENV = "CONFORMANCE_SHARED_FOLDER"  # set by run.py: one folder for every rank of a job
 PROGRAMS = {}
 TOLERANCES = {}
 
@@ -943,6 +944,25 @@ def checkpoints_and_logs_on_rank_0(make_strategy):
     written = [name.split("/events.out")[0] if "events.out" in name else name for name in written]
     return result(model, history, per_rank_files_written=len(written),
                   per_rank_checkpoints=len([n for n in written if n.startswith("ckpt-")]))
+
+
+@program()
+def best_checkpoint_loaded_on_every_rank(make_strategy):
+    """The best checkpoint ModelCheckpoint wrote, loaded back on every rank as soon as fit returns."""
+    import os
+    import time
+
+    class SlowDisk(keras.callbacks.Callback):  # rank 0's last write lands 1 s late (a network filesystem)
+        def on_epoch_end(self, epoch, logs=None):
+            if rank() == 0 and epoch == self.params["epochs"] - 1:
+                time.sleep(1.0)
+
+    x, y = regression()
+    path = os.path.join(os.environ.get(SHARED_FOLDER_ENV, "."), "best.keras")
+    best = keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True)
+    model, history = fit_mlp(make_strategy, x, y, epochs=3, callbacks=[SlowDisk(), best])
+    loaded = keras.models.load_model(path)  # on rank 1, before rank 0 has written it, unless fit waits
+    return result(model, history, best_weights=[w.tolist() for w in loaded.get_weights()])
 
 
 @program()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from programs import PROGRAMS, rank  # noqa: E402
+from programs import PROGRAMS, SHARED_FOLDER_ENV, rank  # noqa: E402
 
 
 def strategy_factory(mode):
@@ -67,13 +67,15 @@ def main():
     for name in args.programs or list(PROGRAMS):
         for mode in args.modes:
             if mode != "tf-mirrored" or args.mirrored_programs is None or name in args.mirrored_programs:
-                results[mode][name] = run_one(mode, name, factories[mode])
+                results[mode][name] = run_one(mode, name, factories[mode], args.out)
     for mode in args.modes:
         (Path(args.out) / f"{mode}-rank{rank()}.json").write_text(json.dumps(results[mode]))
 
 
-def run_one(mode, name, make_strategy):
+def run_one(mode, name, make_strategy, out):
     function, _ = PROGRAMS[name]
+    # A folder every rank of this job sees, for programs that read back what rank 0 wrote.
+    os.environ[SHARED_FOLDER_ENV] = str(Path(out) / f"shared-{mode}-{name}".replace(":", "-"))
     keras.backend.clear_session()  # the same automatic names in every mode
     tf.random.set_seed(None)
     start = time.monotonic()

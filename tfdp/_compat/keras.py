@@ -71,8 +71,8 @@ class StrategyHooks(abc.ABC):
     def extra_callbacks(self, model, callbacks):
         """Callbacks to run before the user's in fit/evaluate/predict (on every rank)."""
 
-    def closing_callbacks(self, model):
-        """Callbacks to run after the user's in fit/evaluate/predict (on every rank)."""
+    def closing_callbacks(self, model, callbacks):
+        """Callbacks to run after the user's `callbacks` in fit/evaluate/predict (on every rank)."""
         return []
 
     def step_failed(self, error):
@@ -729,6 +729,15 @@ def checkpoint_callbacks(callbacks):
     return [c for c in callbacks or [] if isinstance(c, (ModelCheckpoint, BackupAndRestore))]
 
 
+def writes_on_rank_0_only(callbacks):
+    """True if one of the user's `callbacks` writes files that tfdp lets rank 0 alone write
+    (ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger: see `_patch_callbacks`)."""
+    from keras.src.callbacks.csv_logger import CSVLogger
+    from keras.src.callbacks.tensorboard import TensorBoard
+
+    return bool(checkpoint_callbacks(callbacks)) or any(isinstance(c, (TensorBoard, CSVLogger)) for c in callbacks or [])
+
+
 def _settle_before_inference(method):
     """Wrap `test_on_batch`/`predict_on_batch`: the workers' models are made one first, as for
     `evaluate` and `predict`. (Each rank takes its rows of the global batch inside the step,
@@ -927,7 +936,7 @@ def _patch_callbacks():
         hooks = _strategy_hooks(getattr(model, "_distribute_strategy", None))
         if hooks is not None:
             callbacks = (list(hooks.extra_callbacks(model, list(callbacks or []))) + list(callbacks or [])
-                         + list(hooks.closing_callbacks(model)))
+                         + list(hooks.closing_callbacks(model, list(callbacks or []))))
             if not hooks.is_chief:
                 add_progbar = False
                 kept = []

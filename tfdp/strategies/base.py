@@ -9,14 +9,14 @@ import tensorflow as tf
 
 from tfdp import _compat
 from tfdp._compat.horovod import cross_size
-from tfdp._compat.keras import gradients_reduced
+from tfdp._compat.keras import gradients_reduced, writes_on_rank_0_only
 from tfdp._compat.tensorflow import global_seed, local_variable
 from tfdp.comm import HorovodCommunicator
 from tfdp.strategies import output
 from tfdp.strategies.balance import Balancer, Rebalance, check_balance
 from tfdp.strategies.epoch_logs import GlobalEpochLogs
 from tfdp.strategies.extended import HorovodExtended
-from tfdp.strategies.settle import AgreeOnWeights, SettleState
+from tfdp.strategies.settle import AgreeOnWeights, FilesWritten, SettleState
 from tfdp.strategies.watchdog import StepWatchdog, lost_hosts, timeout_from_env
 
 
@@ -136,10 +136,16 @@ class HorovodStrategy(tf.distribute.Strategy):
             extra.append(StepWatchdog(self.rank, self._step_timeout_seconds, self._hosts))
         return extra
 
-    def closing_callbacks(self, model=None):
-        """Callbacks tfdp adds (last, on every rank) to `fit`, `evaluate` and `predict`."""
+    def closing_callbacks(self, model=None, callbacks=()):
+        """Callbacks tfdp adds (last, on every rank) to `fit`, `evaluate` and `predict`, after the
+        user's `callbacks`."""
         communicator = self.extended.communicator
-        return [AgreeOnWeights(communicator, self.gradient_reducer)] if communicator.size > 1 else []
+        if communicator.size == 1:
+            return []
+        closing = [AgreeOnWeights(communicator, self.gradient_reducer)]
+        if writes_on_rank_0_only(callbacks):
+            closing.append(FilesWritten(communicator))
+        return closing
 
     def step_failed(self, error):
         """A training or test step raised `error`: on a job that spans hosts, name the hosts that no longer answer."""

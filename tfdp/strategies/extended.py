@@ -401,8 +401,8 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
     def extra_callbacks(self, model, callbacks):
         return self._container_strategy().training_callbacks(model, callbacks)
 
-    def closing_callbacks(self, model):
-        return self._container_strategy().closing_callbacks(model)
+    def closing_callbacks(self, model, callbacks):
+        return self._container_strategy().closing_callbacks(model, callbacks)
 
     def step_failed(self, error):
         self._container_strategy().step_failed(error)

@@ -1,4 +1,5 @@
-"""`SettleState`: tfdp's callback that settles reducer state on every rank when it must.
+"""`SettleState`: tfdp's callback that settles reducer state on every rank when it must
+(`AgreeOnWeights` and `FilesWritten` close `fit`).
 
 Added by every tfdp strategy to `fit`, `evaluate` and `predict`, before the user's callbacks.
 It calls `strategy.settle` (finish in-flight exchanges, gather per-rank reducer state) on
@@ -90,3 +91,20 @@ class AgreeOnWeights(keras.callbacks.Callback):
         averaged = self.communicator.allreduce(values, op="average")
         for variable, value in zip(variables, averaged):
             variable.assign(value)
+
+
+class FilesWritten(keras.callbacks.Callback):
+    """Return from `fit` on no rank before rank 0 has written its files.
+
+    tfdp lets rank 0 alone write ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger
+    files. A script that reads them back after `fit` on every rank (the best checkpoint,
+    `keras.models.load_model`) found nothing on rank 1 while rank 0 was still writing. Added
+    last, after the user's callbacks, when one of them writes: one small all-reduce, as a barrier.
+    """
+
+    def __init__(self, communicator):
+        super().__init__()
+        self.communicator = communicator
+
+    def on_train_end(self, logs=None):
+        self.communicator.allreduce([tf.zeros([1])], op="sum")
