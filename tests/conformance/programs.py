@@ -729,6 +729,50 @@ def custom_loss_function(make_strategy):
     return result(model, history)
 
 
+class OwnLoss(keras.Model):
+    """`compute_loss` overridden as in Keras's own docstring: plain ops and `self.losses`, not
+    divided by the workers, with a loss tracker of its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="own_loss")
+
+    def compute_loss(self, x, y, y_pred, sample_weight, training=True):
+        loss = keras.ops.mean((y_pred - y) ** 2)
+        loss += keras.ops.sum(self.losses)
+        self.loss_tracker.update_state(loss)
+        return loss
+
+
+class SuperLossPlusPenalty(keras.Model):
+    """`compute_loss` overridden on top of Keras's (which divides by the workers itself)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return super().compute_loss(x, y, y_pred, sample_weight, training) + 0.1 * keras.ops.mean(keras.ops.abs(y_pred))
+
+
+def functional(model_class):
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01))(inputs)
+    return model_class(inputs, keras.layers.Dense(1)(hidden))
+
+
+@program()
+def compute_loss_overridden(make_strategy):
+    # Its gradients and logged loss were twice one process's on 2 workers (tf.distribute's still are).
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: functional(OwnLoss), validation_data=regression(64, seed=5))
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def compute_loss_calls_super(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]},
+                             model_fn=lambda: functional(SuperLossPlusPenalty))
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
 @program()
 def auc_precision_recall(make_strategy):
     x, y = classification(classes=2)

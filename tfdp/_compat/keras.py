@@ -582,6 +582,7 @@ def _patch_compile():
         if _strategy_hooks(strategy) is None:
             return original(self, optimizer, *args, **kwargs)
         _refuse_optimizer_of_another_strategy(optimizer, strategy)
+        _scale_overridden_loss_once(type(self))
         if tf.distribute.has_strategy():
             return original(self, optimizer, *args, **kwargs)
         with strategy.scope():
@@ -589,6 +590,54 @@ def _patch_compile():
 
     compile._tfdp_original = original
     trainer.Trainer.compile = compile
+
+
+def _scale_overridden_loss_once(model_class):
+    """Make `model_class`'s own `compute_loss` (if it overrides Keras's) a loss for one worker's
+    share of the global batch, as Keras's is.
+
+    Under a strategy Keras divides every `keras.losses.Loss` and the regularization losses by the
+    number of workers (`scale_loss_for_distribution`, keras/src/losses/loss.py), so that the
+    workers' gradients sum to the global batch's. An override written as in Keras's own
+    docstring, ``ops.mean((y_pred - y) ** 2) + ops.sum(self.losses)``, is not divided: on 2
+    workers its gradients and its logged loss were twice one process's (tf.distribute's too).
+    Within the override Keras's division is off, and its result is divided once, whatever the
+    override is made of (plain ops, Loss objects, `super().compute_loss`).
+    """
+    from keras.src.losses import loss as loss_module
+    from keras.src.trainers import trainer
+
+    override = model_class.compute_loss
+    if override is trainer.Trainer.compute_loss or getattr(override, "_tfdp_original", None):
+        return
+
+    @functools.wraps(override)
+    def compute_loss(self, *args, **kwargs):
+        if getattr(_state, "loss_scaled_once", False) or _strategy_hooks(self._distribute_strategy) is None:
+            return override(self, *args, **kwargs)
+        with _flag("loss_scaled_once"):
+            loss = override(self, *args, **kwargs)
+        return None if loss is None else loss_module.scale_loss_for_distribution(loss)
+
+    compute_loss._tfdp_original = override
+    model_class.compute_loss = compute_loss
+
+
+def _patch_loss_scaling():
+    # keras/src/losses/loss.py: `scale_loss_for_distribution(value)` divides by the number of
+    # replicas; Loss.__call__ (in that module) and the TensorFlow trainer's
+    # `_aggregate_additional_loss` call it. Within an overridden compute_loss
+    # (`_scale_overridden_loss_once`) it leaves the loss as it is.
+    from keras.src.losses import loss as loss_module
+
+    original = loss_module.scale_loss_for_distribution
+
+    @functools.wraps(original)
+    def scale_loss_for_distribution(value):
+        return value if getattr(_state, "loss_scaled_once", False) else original(value)
+
+    scale_loss_for_distribution._tfdp_original = original
+    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
 
 
 def _refuse_optimizer_of_another_strategy(optimizer, strategy):
@@ -1171,6 +1220,7 @@ def install():
     _patch_saving()
     _patch_batch_norm_moments()
     _patch_summed_increments()
+    _patch_loss_scaling()
     _installed = True
 
 
@@ -1181,6 +1231,7 @@ def hooked_functions():
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.callbacks import callback_list
     from keras.src.layers.normalization import batch_normalization
+    from keras.src.losses import loss as loss_module
     from keras.src.optimizers import base_optimizer, loss_scale_optimizer
     from keras.src.saving import saving_api
     from keras.src.trainers import trainer
@@ -1211,5 +1262,6 @@ def hooked_functions():
         (batch_normalization.BatchNormalization, "_moments"),
         (core.Variable, "assign_add"),
         (core.Variable, "assign_sub"),
+        (loss_module, "scale_loss_for_distribution"),
     ]
 
