@@ -762,7 +762,7 @@ def compute_loss_overridden(make_strategy):
     # Its gradients and logged loss were twice one process's on 2 workers (tf.distribute's still are).
     x, y = regression()
     model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: functional(OwnLoss), validation_data=regression(64, seed=5))
-    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True))
 
 
 @program()
