@@ -28,11 +28,6 @@ NOT_FOR_SEVERAL_PROCESSES = {
     # np.random.rand without a seed: each rank trains on different data.
     "test_fit_with_different_batch_size_same_loss": "unseeded data differs by rank",
     "test_evaluate_with_different_batch_size_same_loss": "unseeded data differs by rank",
-    # `compute_loss` returns the loss divided by the number of replicas under any
-    # tf.distribute strategy; the tests compare it with the unscaled logged loss.
-    "test_metric_update_in_compute_loss": "compute_loss is scaled by 1/replicas",
-    "test_compute_loss_no_training_backwards_compatibility": "compute_loss is scaled by 1/replicas",
-    "test_evaluate_with_custom_compute_loss": "compute_loss is scaled by 1/replicas",
 }
 
 
@@ -52,7 +47,10 @@ def test_keras_trainer_tests_pass_under_tfdp_on_two_workers(tmp_path):
           f"{sum(r['outcome'] == 'skipped' for r in records)} skipped")
     assert not unexplained, unexplained
     assert passed >= 100, run.output[-3000:]
-    # The named Keras tests of the conformance issue pass.
+    # The named Keras tests of the conformance issue pass, and the tests of a model's own
+    # compute_loss (they failed while its loss went undivided by the workers, before 073d820).
     for name in ("test_fit_with_custom_train_step", "test_evaluate_with_custom_test_step_dict",
-                 "test_evaluate_with_custom_test_step_flat", "test_fit_sparse_tf_eager", "test_fit_sparse_tf_graph"):
+                 "test_evaluate_with_custom_test_step_flat", "test_fit_sparse_tf_eager", "test_fit_sparse_tf_graph",
+                 "test_metric_update_in_compute_loss", "test_compute_loss_no_training_backwards_compatibility",
+                 "test_evaluate_with_custom_compute_loss"):
         assert outcomes[name]["outcome"] == "passed", outcomes[name]
