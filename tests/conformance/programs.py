@@ -902,6 +902,22 @@ def freeze_and_recompile_outside_scope(make_strategy):
 
 
 @program()
+def fine_tune_with_optimizer_made_outside_scope(make_strategy):
+    # Keras's transfer-learning guide: a frozen base, then unfreeze and compile again with
+    # `keras.optimizers.Adam(1e-5)` written outside any scope (tf.distribute raises; tfdp refused it).
+    x, y = regression()
+    model, _ = fit_mlp(make_strategy, x, y, epochs=1)
+    model.layers[0].trainable = False
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    model.layers[0].trainable = True
+    model.compile(keras.optimizers.Adam(1e-3), "mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  iterations=int(model.optimizer.iterations.numpy()))
+
+
+@program()
 def fit_again_from_initial_epoch(make_strategy):
     x, y = regression()
     model, first = fit_mlp(make_strategy, x, y, epochs=1)

@@ -7,7 +7,7 @@
 
     --case different-model   rank 1 builds a wider layer
     --case jit               a custom step's tf.function(jit_compile=True) calls strategy.run
-    --case optimizer-outside the optimizer object is made before the strategy's scope
+    --case optimizer-outside the optimizer object is made and built before the strategy's scope
     --case extra-layer       rank 1 builds one more layer
     --case die               rank 1 SIGKILLs itself during fit
     --case stall             rank 1 stops (sleeps) during fit without exiting
@@ -44,7 +44,10 @@ class StallAtBatch(keras.callbacks.Callback):
 
 
 def run_case(case):
-    optimizer = keras.optimizers.SGD() if case == "optimizer-outside" else "sgd"
+    optimizer = "sgd"
+    if case == "optimizer-outside":  # made and used outside the scope (one never used is adopted)
+        optimizer = keras.optimizers.SGD()
+        optimizer.build([keras.Variable(np.zeros((4, 12), "float32"))])
     strategy = tfdp.MirroredStrategy()
     width = 13 if (case == "different-model" and rank() == 1) else 12
     with strategy.scope():

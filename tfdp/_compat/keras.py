@@ -581,6 +581,7 @@ def _patch_compile():
         strategy = getattr(self, "_distribute_strategy", None)
         if _strategy_hooks(strategy) is None:
             return original(self, optimizer, *args, **kwargs)
+        _adopt_optimizer_made_outside_any_scope(optimizer, strategy)
         _refuse_optimizer_of_another_strategy(optimizer, strategy)
         _scale_overridden_loss_once(type(self))
         if tf.distribute.has_strategy():
@@ -640,6 +641,34 @@ def _patch_loss_scaling():
     loss_module.scale_loss_for_distribution = scale_loss_for_distribution
 
 
+def _adopt_optimizer_made_outside_any_scope(optimizer, strategy):
+    """Make an optimizer object created outside every strategy scope, and not built yet,
+    `strategy`'s, as if created in its scope.
+
+    Keras's transfer-learning guide unfreezes a model and compiles it again with
+    ``keras.optimizers.Adam(1e-5)``, written outside any scope; tf.distribute raises there
+    (mixing strategies), and tfdp refused it. The optimizer holds no slot yet: tfdp takes it
+    over (keras/src/backend/tensorflow/optimizer.py records the strategy in `__init__` as
+    ``_distribution_strategy``; the slots are created under it when the optimizer is built).
+    Its iteration counter and learning rate stay plain variables: equal on every rank, as each
+    rank creates them from the same arguments and updates them the same way.
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    default = distribute_lib._get_default_strategy()
+    for each in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if (each is None or isinstance(each, str) or getattr(each, "_distribution_strategy", None) is not default
+                or each.built or each in _bound_reducers):
+            continue
+        each._distribution_strategy = strategy
+        reducer = gradient_reducer(each)
+        attach_reducer_state(each, reducer)
+        if reducer.shards_optimizer_state:
+            from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+            (_scale_losses_of_shards if isinstance(each, LossScaleOptimizer) else _shard)(each, reducer)
+
+
 def _refuse_optimizer_of_another_strategy(optimizer, strategy):
     for each in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         created_under = getattr(each, "_distribution_strategy", None)
@@ -650,7 +679,8 @@ def _refuse_optimizer_of_another_strategy(optimizer, strategy):
                 f"{type(strategy).__name__}, so tfdp would never average its gradients across workers. "
                 f"Create it inside the scope: `with model.distribute_strategy.scope(): "
                 f"model.compile(optimizer=keras.optimizers.{name}(...), ...)` (a string such as "
-                f"optimizer=\"adam\" also works outside the scope).")
+                f"optimizer=\"adam\" also works outside the scope, and so does an optimizer object made outside "
+                f"every scope that has not been used yet).")
 
 
 def _patch_step_outputs():
