@@ -366,14 +366,20 @@ def _attach_state_on_creation(method):
             return
         reducer = gradient_reducer(self)
         if reducer is not None:
-            attach_reducer_state(self, reducer)
-            if reducer.shards_optimizer_state:
-                from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-
-                (_scale_losses_of_shards if isinstance(self, LossScaleOptimizer) else _shard)(self, reducer)
+            _take_over(self, reducer)
 
     wrapper._tfdp_original = method
     return wrapper
+
+
+def _take_over(optimizer, reducer):
+    """Make `reducer` manage `optimizer`: its state rides in the optimizer's checkpoints, and
+    the optimizer's slots are sharded where the reducer shards them."""
+    attach_reducer_state(optimizer, reducer)
+    if reducer.shards_optimizer_state:
+        from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+        (_scale_losses_of_shards if isinstance(optimizer, LossScaleOptimizer) else _shard)(optimizer, reducer)
 
 
 def _shard(optimizer, reducer):
@@ -661,12 +667,7 @@ def _adopt_optimizer_made_outside_any_scope(optimizer, strategy):
                 or each.built or each in _bound_reducers):
             continue
         each._distribution_strategy = strategy
-        reducer = gradient_reducer(each)
-        attach_reducer_state(each, reducer)
-        if reducer.shards_optimizer_state:
-            from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-
-            (_scale_losses_of_shards if isinstance(each, LossScaleOptimizer) else _shard)(each, reducer)
+        _take_over(each, gradient_reducer(each))
 
 
 def _refuse_optimizer_of_another_strategy(optimizer, strategy):
