@@ -241,10 +241,16 @@ def test_whole_variable_shards_match_sync_with_uneven_memory(tmp_path):
 
 
 def test_what_sharding_cannot_do_is_refused_by_name(tmp_path):
-    result = run_plain("sharded_refusals.py", [], timeout=120)
+    result = run_workers("sharded_refusals.py", 2, timeout=180)
     assert_ok(result)
-    lines = dict(line.split(": ", 1) for line in result.output.splitlines()
-                 if line.split(": ", 1)[0] in ("accumulation", "unsettled save", "settled save"))
-    assert lines["accumulation"].startswith("ValueError") and "gradient_accumulation_steps" in lines["accumulation"]
-    assert lines["unsettled save"].startswith("RuntimeError") and "strategy.settle" in lines["unsettled save"]
-    assert lines["settled save"] == "no error"
+    cases = ("accumulation", "multi optimizer", "adafactor", "unsettled save", "settled save")
+    for rank in (0, 1):
+        prefix = f"[{rank}]<stdout>:"
+        lines = dict(line[len(prefix):].split(": ", 1) for line in result.output.splitlines()
+                     if line.startswith(prefix) and line[len(prefix):].split(": ", 1)[0] in cases)
+        assert set(lines) == set(cases), result.output[-3000:]
+        assert lines["accumulation"].startswith("ValueError") and "gradient_accumulation_steps" in lines["accumulation"]
+        assert lines["multi optimizer"].startswith("ValueError: tfdp") and "MultiOptimizer" in lines["multi optimizer"]
+        assert lines["adafactor"].startswith("ValueError: tfdp") and "cannot shard Adafactor" in lines["adafactor"]
+        assert lines["unsettled save"].startswith("RuntimeError") and "strategy.settle" in lines["unsettled save"]
+        assert lines["settled save"] == "no error"

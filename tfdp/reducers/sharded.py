@@ -205,6 +205,11 @@ class ShardedOptimizerState(GradientReducer):
         """Raise a ValueError for optimizers whose update cannot run on shards."""
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError("tfdp: a LossScaleOptimizer is not sharded itself; its inner optimizer is.")
+        if isinstance(optimizer, keras.optimizers.MultiOptimizer):
+            raise ValueError(
+                "tfdp: shard_optimizer_state cannot shard a MultiOptimizer: its state lives in its "
+                "sub-optimizers, each for its own variables. Use tfdp.MirroredStrategy() without "
+                "shard_optimizer_state (preset sync), or one optimizer for every variable.")
 
     def all_finite(self, finite):
         """True on every rank when `finite` (this rank's verdict, a boolean tensor) is True on all."""
@@ -232,7 +237,14 @@ class ShardedOptimizerState(GradientReducer):
         plan = ShardPlan([v.shape for v in variables], self.communicator.size, self._partition_for(optimizer))
         pieces = plan.pieces[self.communicator.rank]
         with variables_local_to_this_rank():
-            template = template_optimizer(optimizer)
+            try:
+                template = template_optimizer(optimizer)
+            except Exception as error:  # noqa: BLE001 - any failure to rebuild it means it cannot be laid out
+                raise ValueError(
+                    f"tfdp: shard_optimizer_state lays out the state of a fresh {type(optimizer).__name__} made "
+                    f"from its config, and making one failed ({type(error).__name__}: {error}). Use "
+                    "tfdp.MirroredStrategy() without shard_optimizer_state (preset sync), or an optimizer "
+                    "whose from_config(get_config()) works.") from error
             template_kinds = build_recording_slots(template, variables)
             layout_shapes = [tuple(v.shape) for v in template.variables]
             layout_bytes = sum(variable_bytes(v) for v in template.variables)
