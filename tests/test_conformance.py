@@ -6,7 +6,7 @@ under `tf.distribute.MirroredStrategy` on two logical CPUs, and under
 process, or tf.distribute where Keras defines the result by it) within 1e-5 relative, in
 weights, History, evaluate and predict, with both ranks reporting the same numbers. The
 table of all programs is written to ``conformance.md`` in the test's output folder and
-printed with ``pytest -s``. The quick tier runs 47 of the 71 programs (`FULL_TIER_ONLY`
+printed with ``pytest -s``. The quick tier runs 50 of the 74 programs (`FULL_TIER_ONLY`
 names the others, each a variant of a quick one); the full tier runs all.
 """
 
@@ -156,6 +156,12 @@ def test_programs_defined_by_tf_distribute_still_train_like_one_process_where_ke
     if name.startswith("custom_"):
         ours, plain = results["tfdp-rank0"][name], results["plain-rank0"][name]
         assert relative_difference({"weights": ours["weights"]}, {"weights": plain["weights"]}) <= RTOL
+    if name == "schedule_free_adamw":
+        # Trains (measured: loss 0.41 then 0.27), where plain Keras zeroes the weights at its first
+        # step (loss 0.70 then 0.75): tf.distribute's answer is the right one here.
+        ours, plain = results["tfdp-rank0"][name], results["plain-rank0"][name]
+        assert ours["history"]["loss"][-1] < 0.8 * ours["history"]["loss"][0]
+        assert ours["evaluate"][0] < 0.5 * plain["evaluate"][0]
 
 
 def test_generator_epoch_trains_every_batch_exactly_once(results):

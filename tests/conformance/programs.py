@@ -858,6 +858,53 @@ def adamw_lr_schedule(make_strategy):
 
 
 @program()
+def multi_optimizer(make_strategy):
+    # keras.optimizers.MultiOptimizer: Adam for the first layer, momentum SGD for the rest,
+    # chosen by a callable (found by a probe of every Keras optimizer; zero1 refuses it by name).
+    x, y = regression()
+
+    def optimizers():
+        adam, momentum_sgd = keras.optimizers.Adam(0.01), sgd()
+        return {"optimizer": keras.optimizers.MultiOptimizer(
+            lambda variable: adam if "first" in variable.path else momentum_sgd)}
+
+    def model_fn():
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh", name="first"),
+                                 keras.layers.Dense(1)])
+
+    model, history = fit_mlp(make_strategy, x, y, optimizers, model_fn=model_fn)
+    return result(model, history)
+
+
+@program()
+def multi_optimizer_made_outside_scope(make_strategy):
+    # The MultiOptimizer and its sub-optimizers made before the strategy, as a one-process script
+    # makes them; tfdp takes them over at compile and at build (they failed in TensorFlow before:
+    # "Mixing different tf.distribute.Strategy objects").
+    x, y = regression()
+    adam, momentum_sgd = keras.optimizers.Adam(0.01), sgd()
+    optimizer = keras.optimizers.MultiOptimizer(lambda variable: adam if "first" in variable.path else momentum_sgd)
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh", name="first"),
+                                  keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer, loss="mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history)
+
+
+@program(reference="tf-mirrored")
+def schedule_free_adamw(make_strategy):
+    # ScheduleFreeAdamW copies the weights into its momentum when built. Plain Keras (one
+    # process, no strategy) loses that copy and zeroes the weights at the first step (a Keras
+    # bug, seen in 3.15.1), so the reference is tf.distribute's, which keeps it, as tfdp does.
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"optimizer": keras.optimizers.ScheduleFreeAdamW(0.01)})
+    return result(model, history, evaluate=model.evaluate(x, y, verbose=0))
+
+
+@program()
 def jit_compile_requested(make_strategy):
     # One process compiles the step with XLA; tfdp falls back to no XLA (warned on rank 0).
     x, y = regression()

@@ -42,6 +42,12 @@ def custom_loop(make_optimizer, micro_batches, share):
     return model, optimizer
 
 
+def multi_optimizer():
+    """Adam for the first layer's variables, momentum SGD for the rest, chosen by a callable."""
+    adam, momentum_sgd = keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.05, momentum=0.9)
+    return keras.optimizers.MultiOptimizer(lambda variable: adam if variable.shape[-1] == 12 else momentum_sgd)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["plain", "tfdp"], required=True)
@@ -54,6 +60,8 @@ def main():
         result["clipped_loop"] = weights_as_lists(model)
         model, _ = custom_loop(lambda: keras.optimizers.SGD(0.1), 1, lambda a: a)
         result["accumulated_loop"] = weights_as_lists(model)
+        model, _ = custom_loop(multi_optimizer, 1, lambda a: a)
+        result["multi_optimizer_loop"] = weights_as_lists(model)
         write_result(args.out, result)
         return
 
@@ -74,6 +82,8 @@ def main():
         lambda: tfdp.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2), 2, share)
     result["accumulated_loop"] = weights_as_lists(model)
     result["accumulated_loop_stats"] = opt.communication_stats()
+    model, opt = custom_loop(lambda: tfdp.DistributedOptimizer(multi_optimizer()), 1, share)
+    result["multi_optimizer_loop"] = weights_as_lists(model)
 
     # Plain fit, Horovod style: rank-dependent initial weights and data shards.
     x, y = data()

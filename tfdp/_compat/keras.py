@@ -146,6 +146,29 @@ def bind_reducer(optimizer, reducer):
     attach_reducer_state(optimizer, reducer)
 
 
+def optimizer_parts(optimizer):
+    """`optimizer` and the optimizers that apply its updates: a LossScaleOptimizer's inner one,
+    a MultiOptimizer's sub-optimizers (keras/src/optimizers/multi_optimizer.py: those it knows
+    so far; one chosen by a callable is known once the MultiOptimizer is built)."""
+    if optimizer is None or isinstance(optimizer, str):
+        return []
+    parts = [optimizer]
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        parts.append(inner)
+    parts += [sub for sub in getattr(optimizer, "_inner_optimizers", []) if sub not in parts]
+    return parts
+
+
+def bind_reducer_to_parts(optimizer):
+    """Give the sub-optimizers of a bound MultiOptimizer its reducer: Keras's MultiOptimizer hands
+    each sub-optimizer its own variables' gradients, and the sub-optimizers apply them."""
+    reducer = _bound_reducers.get(optimizer)
+    for part in optimizer_parts(optimizer)[1:]:
+        if reducer is not None and part not in _bound_reducers:
+            _bound_reducers[part] = reducer
+
+
 def bound_reducer(optimizer):
     """The reducer `bind_reducer` gave `optimizer`, or None (also for no optimizer)."""
     return None if optimizer is None else _bound_reducers.get(optimizer)
@@ -551,7 +574,7 @@ def _patch(owner, name, wrap):
 
 def _patch_optimizers():
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
-    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer, multi_optimizer
 
     # keras/src/optimizers/base_optimizer.py: `_backend_apply_gradients(grads,
     # trainable_variables)` runs one update (after gradient accumulation) and calls
@@ -568,6 +591,36 @@ def _patch_optimizers():
     # gradients whether they are finite. Reducing first makes it one global decision
     # (a non-finite value on any rank is non-finite in the sum).
     _patch(loss_scale_optimizer.LossScaleOptimizer, "apply", _reduce_before_apply)
+    # keras/src/optimizers/multi_optimizer.py: `build(var_list)` asks its map (or callable) for each
+    # variable's sub-optimizer and builds them; they apply the updates.
+    _patch(multi_optimizer.MultiOptimizer, "build", _sub_optimizers_managed_alike)
+
+
+def _sub_optimizers_managed_alike(method):
+    """Wrap `MultiOptimizer.build(var_list)`: its sub-optimizers get its reducer (a
+    `tfdp.DistributedOptimizer`) or are taken over by its strategy like it (made outside every
+    scope and unused) or refused (made under another strategy), before they build anything.
+    Without this a DistributedOptimizer(MultiOptimizer(...)) never averaged (the ranks' weights
+    drifted apart), and a sub-optimizer made outside the scope failed in TensorFlow (mixing
+    strategies) at the first step."""
+
+    @functools.wraps(method)
+    def wrapper(self, var_list):
+        if not self.built:
+            for sub in map(self._optimizer_map, var_list):
+                if sub not in self._inner_optimizers and not isinstance(sub, type(self)):
+                    sub.loss_scale_factor = self.loss_scale_factor  # as Keras's build does for a new one
+                    self._inner_optimizers.append(sub)
+            strategy = getattr(self, "_distribution_strategy", None)
+            if self in _bound_reducers:
+                bind_reducer_to_parts(self)
+            elif _strategy_hooks(strategy) is not None:
+                _adopt_optimizer_made_outside_any_scope(self, strategy)
+                _refuse_optimizer_of_another_strategy(self, strategy)
+        return method(self, var_list)
+
+    wrapper._tfdp_original = method
+    return wrapper
 
 
 def _patch_compile():
@@ -662,8 +715,8 @@ def _adopt_optimizer_made_outside_any_scope(optimizer, strategy):
     from tensorflow.python.distribute import distribute_lib
 
     default = distribute_lib._get_default_strategy()
-    for each in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if (each is None or isinstance(each, str) or getattr(each, "_distribution_strategy", None) is not default
+    for each in optimizer_parts(optimizer):
+        if (getattr(each, "_distribution_strategy", None) is not default
                 or each.built or each in _bound_reducers):
             continue
         each._distribution_strategy = strategy
@@ -671,7 +724,7 @@ def _adopt_optimizer_made_outside_any_scope(optimizer, strategy):
 
 
 def _refuse_optimizer_of_another_strategy(optimizer, strategy):
-    for each in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+    for each in optimizer_parts(optimizer):
         created_under = getattr(each, "_distribution_strategy", None)
         if created_under is not None and created_under is not strategy and each not in _bound_reducers:
             name = type(each).__name__

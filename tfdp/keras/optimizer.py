@@ -1,7 +1,9 @@
 """`tfdp.DistributedOptimizer`: Horovod-averaged gradients for any Keras 3 optimizer."""
 
+import keras
+
 from tfdp import _compat
-from tfdp._compat.keras import bind_reducer, bound_reducer
+from tfdp._compat.keras import bind_reducer, bind_reducer_to_parts, bound_reducer
 from tfdp.comm import HorovodCommunicator
 from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES, AllReduceGradients, compressed_reducer_factory
 from tfdp.reducers.allreduce import check_bucket_bytes
@@ -55,6 +57,11 @@ def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  #
     if bound_reducer(optimizer) is not None:
         raise ValueError("This optimizer is already a tfdp.DistributedOptimizer.")
     if backward_passes_per_step > 1:
+        if isinstance(optimizer, keras.optimizers.MultiOptimizer):
+            raise ValueError(
+                "`backward_passes_per_step` > 1 does not reach a MultiOptimizer's sub-optimizers (Keras's "
+                "MultiOptimizer.apply skips gradient accumulation). Give each sub-optimizer "
+                "`gradient_accumulation_steps` instead, and leave backward_passes_per_step=1.")
         if optimizer.built or optimizer.gradient_accumulation_steps:
             raise ValueError(
                 "`backward_passes_per_step` > 1 needs an optimizer that is not built yet "
@@ -72,6 +79,7 @@ def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  #
     _compat.install()
     reducer = make_reducer(HorovodCommunicator())
     bind_reducer(optimizer, reducer)
+    bind_reducer_to_parts(optimizer)  # a MultiOptimizer's sub-optimizers known so far; the rest at build
 
     def communication_stats():
         return {**reducer.communicator.stats.as_dict(), **reducer.stats()}
