@@ -112,6 +112,18 @@ def test_nonfinite_gradients_skip_the_step_on_every_rank(tmp_path):
     assert all(np.isnan(np.ravel(r["plain"]["weights"][0])).all() for r in ranks)
 
 
+def test_data_already_split_per_rank_is_warned_on_every_rank():
+    run = run_workers("split_inputs.py", 2, timeout=BOUND_SECONDS)
+    assert run.returncode == 0, run.output[-3000:]
+    for rank in (0, 1):
+        lines = [line for line in run.output.splitlines() if line.startswith(f"[{rank}]<stderr>:")]
+        split_at = lines.index(f"[{rank}]<stderr>:case: split per rank")
+        warnings = [i for i, line in enumerate(lines) if "hold other rows than rank 0's" in line]
+        # Negative control: whole data on every rank (fit and evaluate) says nothing.
+        assert len(warnings) == 1 and warnings[0] > split_at, lines
+        assert "x[rank::size]" in lines[warnings[0]] and f"this is rank {rank}" in lines[warnings[0]]
+
+
 def test_uneven_inputs_end_every_rank_at_the_same_step(tmp_path):
     run = run_workers("uneven.py", 2, ["--out", tmp_path], timeout=BOUND_SECONDS)
     assert run.returncode == 0, run.output[-3000:]

@@ -50,10 +50,11 @@ class StrategyHooks(abc.ABC):
         """Raise when a global batch cannot give every worker a row."""
 
     @abc.abstractmethod
-    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch):
+    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0):
         """Agree across ranks on how to iterate an epoch; return ``(mode, batches)``.
 
-        `count` is this rank's batches per epoch: an int, ``INFINITE`` or ``UNKNOWN``.
+        `count` is this rank's batches per epoch: an int, ``INFINITE`` or ``UNKNOWN``;
+        `content` a fingerprint of in-memory inputs (0: not known).
         Modes: ``"as_is"`` (every rank iterates the same way), ``"fewest"`` (stop after
         `batches`) or ``"each_step"`` (agree before every step whether all ranks have data).
         """
@@ -1104,6 +1105,38 @@ class _FewerBatches:
         return getattr(self._adapter, name)
 
 
+#: Rows at each end of in-memory inputs that `_content_fingerprint` reads.
+FINGERPRINT_ROWS = 16
+
+
+def _content_fingerprint(iterator):
+    """A CRC-32 of the first and last rows of in-memory inputs (NumPy arrays, tensors), or 0
+    where the content cannot be read without consuming it (tf.data, generators, PyDataset).
+
+    keras/src/trainers/data_adapters/array_data_adapter.py keeps the arrays as ``_inputs``.
+    """
+    import zlib
+
+    import numpy as np
+    from keras import tree
+
+    inputs = getattr(iterator.data_adapter, "_inputs", None)
+    if inputs is None:
+        return 0
+    crc = 0
+    try:
+        for array in tree.flatten(inputs):
+            if array is None:
+                continue
+            for rows in (array[:FINGERPRINT_ROWS], array[-FINGERPRINT_ROWS:]):
+                rows = np.asarray(rows)
+                data = repr(rows.tolist()).encode() if rows.dtype == object else np.ascontiguousarray(rows).tobytes()
+                crc = zlib.crc32(data, crc)
+    except Exception:  # noqa: BLE001 - an input type without row slicing is simply not compared
+        return 0
+    return crc or 1
+
+
 def _input_count(iterator):
     """This rank's batches per epoch: an int, INFINITE or UNKNOWN."""
     known = iterator.data_adapter.num_batches
@@ -1137,7 +1170,7 @@ def _patch_epoch_iterator():
             return
         hooks.check_batch_size(getattr(self.data_adapter, "batch_size", None))
         mode, fewest = hooks.agree_on_inputs(_input_count(self), self._distributed_dataset.element_spec,
-                                             bool(self.steps_per_epoch))
+                                             bool(self.steps_per_epoch), content=_content_fingerprint(self))
         if mode == "fewest":
             self._distributed_dataset = self._distributed_dataset.take(fewest)
             self.data_adapter = _FewerBatches(self.data_adapter, fewest)

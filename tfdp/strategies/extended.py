@@ -331,7 +331,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
                 f"({self._size}): every worker needs at least one row per batch. The batch_size "
                 f"passed to fit/evaluate/predict is the global batch; use batch_size >= {self._size}.")
 
-    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch):
+    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0):
         """Check the ranks' inputs match; choose how every rank iterates the epoch.
 
         Inputs of different shapes or dtypes are an error on every rank. Equal, known
@@ -345,14 +345,15 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             return "as_is", None
         spec = _describe_spec(element_spec)
         gathered = self.communicator.allgather(
-            tf.constant([[int(count), zlib.crc32(spec.encode())]], tf.int64)).numpy().tolist()
-        counts, fingerprints = [c for c, _ in gathered], [f for _, f in gathered]
+            tf.constant([[int(count), zlib.crc32(spec.encode()), int(content)]], tf.int64)).numpy().tolist()
+        counts, fingerprints, contents = ([row[i] for row in gathered] for i in range(3))
         differ = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
         if differ:
             raise ValueError(
                 f"The workers' inputs differ in shape or dtype: ranks {differ} do not match rank 0 "
                 f"(this is rank {self._rank}, whose inputs are {spec}). Pass inputs of the same "
                 f"shapes and dtypes on every rank.")
+        self._warn_if_inputs_differ(contents)
         if len(set(counts)) == 1 and counts[0] != UNKNOWN:
             return "as_is", None
         if min(counts) >= 0 and not has_steps_per_epoch:
@@ -363,6 +364,19 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
                       f"{count - fewest} every epoch so that all ranks end at the same step.", file=sys.stderr)
             return "fewest", fewest
         return "each_step", None
+
+    def _warn_if_inputs_differ(self, contents):
+        """Once per process: NumPy inputs whose rows differ between ranks are almost always data
+        already split per rank (Horovod's habit), which tfdp splits again."""
+        if 0 in contents or len(set(contents)) == 1 or getattr(self, "_warned_inputs_differ", False):
+            return
+        self._warned_inputs_differ = True
+        differ = [r for r, c in enumerate(contents) if c != contents[0]]
+        print(f"tfdp: warning: the inputs of ranks {differ} hold other rows than rank 0's (this is rank "
+              f"{self._rank}). tfdp expects the same, whole data on every rank: batch_size is the global "
+              f"batch, and each rank trains on its rows of it. Data already split per rank (x[rank::size], "
+              f"Horovod style) is split again, and each rank trains on 1/{self._size} of its share. Pass "
+              "the whole data on every rank.", file=sys.stderr)
 
     def all_have_data(self, has_data):
         flags = self.communicator.allgather(tf.constant([int(has_data)], tf.int32)).numpy().tolist()
