@@ -948,6 +948,12 @@ def freeze_and_recompile_outside_scope(make_strategy):
                   iterations=int(model.optimizer.iterations.numpy()))
 
 
+# On 3 workers (11/11/10 rows) its output bias, a scalar near -0.00115, ends 1.4e-8 from one
+# process: 1.24e-5 of itself (every other tensor within 7.4e-7, logs within 2e-7). Rounding,
+# which Adam's per-entry scaling carries to a tensor 500 times smaller than the weights.
+TOLERANCES["fine_tune_with_optimizer_made_outside_scope"] = 3e-5
+
+
 @program()
 def fine_tune_with_optimizer_made_outside_scope(make_strategy):
     # Keras's transfer-learning guide: a frozen base, then unfreeze and compile again with
