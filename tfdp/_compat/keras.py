@@ -165,9 +165,10 @@ def bind_reducer_to_parts(optimizer):
     """Give the sub-optimizers of a bound MultiOptimizer its reducer: Keras's MultiOptimizer hands
     each sub-optimizer its own variables' gradients, and the sub-optimizers apply them."""
     reducer = _bound_reducers.get(optimizer)
+    if reducer is None:
+        return
     for part in optimizer_parts(optimizer)[1:]:
-        if reducer is not None and part not in _bound_reducers:
-            _bound_reducers[part] = reducer
+        _bound_reducers.setdefault(part, reducer)
 
 
 def bound_reducer(optimizer):

@@ -334,7 +334,8 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
     def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0):
         """Check the ranks' inputs match; choose how every rank iterates the epoch.
 
-        Inputs of different shapes or dtypes are an error on every rank. Equal, known
+        Inputs of different shapes or dtypes are an error on every rank; in-memory inputs
+        whose rows differ (`content`, a fingerprint) a warning, once. Equal, known
         lengths (or endless inputs) need nothing. Known lengths that differ: every rank
         stops after the fewest batches, every epoch, and the ranks with more say so on
         stderr (no rows are padded). Otherwise (a length is unknown: generators, or
