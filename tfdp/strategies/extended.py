@@ -367,7 +367,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         return "each_step", None
 
     def _warn_if_inputs_differ(self, contents):
-        """Once per process: NumPy inputs whose rows differ between ranks are almost always data
+        """Once per strategy: NumPy inputs whose rows differ between ranks are almost always data
         already split per rank (Horovod's habit), which tfdp splits again."""
         if 0 in contents or len(set(contents)) == 1 or getattr(self, "_warned_inputs_differ", False):
             return
