@@ -269,3 +269,25 @@ def test_import_tfdp_is_lazy_and_every_subpackage_is_an_attribute():
     assert out.returncode == 0, out.stderr[-2000:]
     first, second = out.stdout.strip().splitlines()[-2:]
     assert first == "async-s1 tfdp.tools False" and second == "MirroredStrategy tfdp.compression"
+
+
+def test_import_tfdp_turns_on_the_pooled_cpu_allocator_unless_the_user_chose():
+    # TensorFlow's BFC allocator keeps freed blocks; malloc hands large ones back to the kernel
+    # (tfdp/_allocator.py). Controls: the user's explicit `false`, and an op run before the import.
+    probe = "import tfdp._allocator as a; print(a.pooled_cpu_allocator_in_use())"
+    cases = {
+        "imported first": ("import tfdp, tensorflow as tf; tf.zeros([4]); " + probe, None),
+        "user chose malloc": ("import tfdp, tensorflow as tf; tf.zeros([4]); " + probe, "false"),
+        "op before import": ("import tensorflow as tf; tf.zeros([4]); import tfdp; " + probe, None),
+    }
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    runs = {name: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env={**env, "TF_CPU_ALLOCATOR_USE_BFC": choice} if choice else env)
+            for name, (code, choice) in cases.items()}
+    seen = {}
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err[-2000:]
+        seen[name] = out.split()[-1]
+    assert seen == {"imported first": "True", "user chose malloc": "False", "op before import": "False"}
