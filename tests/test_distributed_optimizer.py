@@ -39,6 +39,21 @@ def test_a_multi_optimizer_averages_through_its_sub_optimizers(runs):
     reference, (rank0, rank1) = runs
     assert max(relative_differences(rank0["multi_optimizer_loop"], reference["multi_optimizer_loop"])) <= 1e-5
     assert rank0["multi_optimizer_loop"] == rank1["multi_optimizer_loop"]
+    # One training step per apply of the MultiOptimizer, though each sub-optimizer reduces its own
+    # gradients (stop 32's probe counted 40 steps for 20).
+    stats = rank0["multi_optimizer_loop_stats"]
+    assert stats["steps"] == 20 and stats["collectives"] == stats["rounds"] == 40
+
+
+def test_a_multi_optimizer_under_compression_counts_each_step_once(runs):
+    reference, (rank0, rank1) = runs
+    assert rank0["multi_optimizer_fp16_loop"] == rank1["multi_optimizer_fp16_loop"]
+    # Every gradient of this small model is below the 1 KiB compression threshold: it travels as
+    # float32 through the compressed reducer, whose step counters are per sub-optimizer.
+    assert max(relative_differences(rank0["multi_optimizer_fp16_loop"], reference["multi_optimizer_fp16_loop"])) <= 1e-5
+    stats = rank0["multi_optimizer_fp16_loop_stats"]
+    assert stats["steps"] == 20 and stats["rounds"] == 40
+    assert stats["gradient_bytes"] == stats["dense_bytes"] > 0
 
 
 def test_plain_fit_with_broadcast_and_metric_average(runs):

@@ -68,6 +68,33 @@ def test_powersgd_keeps_q_in_the_reducer_state_keyed_by_variable():
     assert keys == ["compression_step", "layer0:0/residual", "layer0:0/powersgd_q"]
 
 
+def test_compressed_warm_up_counts_each_optimizers_updates_on_its_own():
+    # A MultiOptimizer's sub-optimizers (or a GAN's two optimizers) update once each per step;
+    # one shared counter ended warm-up after half the steps (stop 33).
+    warmup = 2
+    rng = np.random.default_rng(3)
+    local = rng.normal(size=(2, warmup + 1, 2, 64)).astype("float32")  # rank, step, group, entries
+
+    def body(comm):
+        groups = [variables([(64,)], prefix="first"), variables([(64,)], prefix="second")]
+        reducer = CompressedGradients(comm, TopK(0.05), error_feedback=True, warmup_steps=warmup,
+                                      min_compress_bytes=0)
+        dense_steps = []
+        for t in range(warmup + 1):
+            for g, vs in enumerate(groups):
+                reducer.before_update(vs)
+                [summed] = reducer.reduce([tf.constant(local[comm.rank, t, g])], vs)
+                reducer.after_update(vs)
+                dense_steps.append(bool(np.allclose(summed.numpy(), local[:, t, g].sum(axis=0), atol=1e-6)))
+        return dense_steps, reducer.state.keys(), comm.stats.as_dict()
+
+    for dense_steps, keys, stats in run_ranks(2, body):
+        # Updates in order (step 0: first, second; step 1: ...): dense for `warmup` steps of each.
+        assert dense_steps == [True, True, True, True, False, False]
+        assert keys[:1] == ["compression_step"] and "compression_step_1" in keys
+        assert stats["steps"] == 6  # reduced outside a MultiOptimizer: each reduce is a step
+
+
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_stale_gradients_apply_the_sum_of_step_t_minus_s_and_settle_the_rest(staleness):
     steps = 5

@@ -24,9 +24,11 @@ CONTROL = 1e-4
 # "@adam": under Adam, top-k compresses each worker's own optimizer step, so every rank's
 # Adam moments are state too; zero1 keeps each rank's shard of Adam's moments. auto picks (here
 # among PowerSGD alone) at step 10 of epoch 0: its pick and PowerSGD's state are in the checkpoint.
+# "@multi": a MultiOptimizer, Adam (update compression, per-rank moments) for the conv layer and
+# momentum SGD (momentum correction) for the rest, sharing one reducer with a step counter each.
 PRESETS = [pytest.param("topk-1pct"),
            *(pytest.param(p, marks=pytest.mark.full)
-             for p in ("sync", "powersgd-r4", "async-s1", "local-sgd-h16", "topk-1pct@adam", "zero1@adam",
+             for p in ("sync", "powersgd-r4", "async-s1", "local-sgd-h16", "topk-1pct@adam", "topk-1pct@multi", "qsgd@multi", "zero1@adam",
                        "auto:candidates=[powersgd-r4]"))]
 
 

@@ -62,6 +62,7 @@ def main():
         result["accumulated_loop"] = weights_as_lists(model)
         model, _ = custom_loop(multi_optimizer, 1, lambda a: a)
         result["multi_optimizer_loop"] = weights_as_lists(model)
+        result["multi_optimizer_fp16_loop"] = result["multi_optimizer_loop"]
         write_result(args.out, result)
         return
 
@@ -84,6 +85,10 @@ def main():
     result["accumulated_loop_stats"] = opt.communication_stats()
     model, opt = custom_loop(lambda: tfdp.DistributedOptimizer(multi_optimizer()), 1, share)
     result["multi_optimizer_loop"] = weights_as_lists(model)
+    result["multi_optimizer_loop_stats"] = opt.communication_stats()
+    model, opt = custom_loop(lambda: tfdp.DistributedOptimizer(multi_optimizer(), compression="fp16"), 1, share)
+    result["multi_optimizer_fp16_loop"] = weights_as_lists(model)
+    result["multi_optimizer_fp16_loop_stats"] = opt.communication_stats()
 
     # Plain fit, Horovod style: rank-dependent initial weights and data shards.
     x, y = data()

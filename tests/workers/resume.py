@@ -1,7 +1,8 @@
 """Train digits under a preset with keras.callbacks.BackupAndRestore; optionally SIGKILL rank 1.
 
     --preset NAME          the shipped preset (sync, topk-1pct, powersgd-r4, async-s1, ...)
-    --optimizer NAME       sgd (momentum 0.9, the default) or adam
+    --optimizer NAME       sgd (momentum 0.9, the default), adam, or multi (a MultiOptimizer: Adam for
+                           the conv layer, momentum SGD for the rest)
     --die-at-epoch K       rank 1 kills itself during epoch K (after rank 0 saved epoch K - 1)
     --forget-epoch         before fit, delete the saved epoch number (negative control: the
                            weights are restored but training restarts at epoch 0)
@@ -69,7 +70,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--backup", required=True)
     parser.add_argument("--preset", default="sync")
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--optimizer", choices=["sgd", "adam", "multi"], default="sgd")
     parser.add_argument("--die-at-epoch", type=int)
     parser.add_argument("--forget-epoch", action="store_true")
     parser.add_argument("--drop-reducer-state", action="store_true")
@@ -81,6 +82,9 @@ def main():
     with strategy.scope():
         if args.optimizer == "adam":
             optimizer = keras.optimizers.Adam(2e-3)
+        elif args.optimizer == "multi":
+            adam, momentum_sgd = keras.optimizers.Adam(2e-3), keras.optimizers.SGD(0.05, momentum=0.9)
+            optimizer = keras.optimizers.MultiOptimizer(lambda v: adam if "conv2d" in v.path else momentum_sgd)
         else:
             optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
         model = build_digits_model(optimizer)

@@ -198,6 +198,22 @@ def attach_reducer_state(optimizer, reducer):
     without tfdp.
     """
     object.__setattr__(optimizer, REDUCER_STATE_ATTRIBUTE, reducer.saveable(optimizer))
+    state_carried_by_the_whole(optimizer)
+
+
+def state_carried_by_the_whole(optimizer):
+    """Make `optimizer`'s parts (a MultiOptimizer's sub-optimizers, a LossScaleOptimizer's inner one)
+    leave their shared reducer's state to `optimizer`, which saves it once.
+
+    Each part made under a strategy got the state at its creation. Loaded through a part, the
+    per-rank optimizer state (captured from the whole optimizer's variables) was handed to the
+    part's variables by position, and Keras refused the checkpoint.
+    """
+    if REDUCER_STATE_ATTRIBUTE not in vars(optimizer):
+        return
+    for part in optimizer_parts(optimizer)[1:]:
+        if REDUCER_STATE_ATTRIBUTE in vars(part):
+            object.__delattr__(part, REDUCER_STATE_ATTRIBUTE)
 
 
 @contextlib.contextmanager
@@ -596,6 +612,32 @@ def _patch_optimizers():
     # keras/src/optimizers/multi_optimizer.py: `build(var_list)` asks its map (or callable) for each
     # variable's sub-optimizer and builds them; they apply the updates.
     _patch(multi_optimizer.MultiOptimizer, "build", _sub_optimizers_managed_alike)
+    _patch(multi_optimizer.MultiOptimizer, "apply", _one_step_for_all_parts)
+
+
+def _one_step_for_all_parts(method):
+    """Wrap `MultiOptimizer.apply(self, grads, trainable_variables=None)`: its sub-optimizers'
+    updates make one training step, which the reducers' statistics count once
+    (`counts_a_training_step`), not once per sub-optimizer."""
+
+    @functools.wraps(method)
+    def wrapper(self, grads, trainable_variables=None):
+        with _flag("parts_of_one_step"), _flag("step_counted", False):
+            return method(self, grads, trainable_variables)
+
+    wrapper._tfdp_original = method
+    return wrapper
+
+
+def counts_a_training_step():
+    """Whether the reduction about to run starts a training step in the statistics: always, except
+    for a MultiOptimizer's sub-optimizers after the first that reduces (decided while tracing)."""
+    if not getattr(_state, "parts_of_one_step", False):
+        return True
+    if getattr(_state, "step_counted", False):
+        return False
+    _state.step_counted = True
+    return True
 
 
 def _sub_optimizers_managed_alike(method):
@@ -619,6 +661,7 @@ def _sub_optimizers_managed_alike(method):
             elif _strategy_hooks(strategy) is not None:
                 _adopt_optimizer_made_outside_any_scope(self, strategy)
                 _refuse_optimizer_of_another_strategy(self, strategy)
+            state_carried_by_the_whole(self)
         return method(self, var_list)
 
     wrapper._tfdp_original = method
@@ -1350,7 +1393,7 @@ def hooked_functions():
     from keras.src.callbacks import callback_list
     from keras.src.layers.normalization import batch_normalization
     from keras.src.losses import loss as loss_module
-    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer, multi_optimizer
     from keras.src.saving import saving_api
     from keras.src.trainers import trainer
 
@@ -1360,6 +1403,8 @@ def hooked_functions():
         (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients"),
         (tf_optimizer.TFOptimizer, "__init__"),
         (loss_scale_optimizer.LossScaleOptimizer, "apply"),
+        (multi_optimizer.MultiOptimizer, "build"),
+        (multi_optimizer.MultiOptimizer, "apply"),
         (tf_trainer, "reduce_per_replica"),
         (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
         (tf_trainer.TFEpochIterator, "_get_iterator"),

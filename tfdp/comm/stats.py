@@ -83,10 +83,11 @@ class CommunicationStats:
             delta = tf.stack([tf.cast(v, tf.int64) for v in values])
         self._counts.assign_add(delta, read_value=False)
 
-    def count_step(self, grads, rounds=0):
-        """Count one gradient step, the float32 size of its gradients (None ignored) and `rounds`."""
+    def count_step(self, grads, rounds=0, new_step=True):
+        """Count one gradient step (unless `new_step` is False: more gradients of a step already
+        counted), the float32 size of its gradients (None ignored) and `rounds`."""
         present = [g for g in grads if g is not None]
-        self.add_many(steps=1, rounds=rounds, dense_bytes=total_bytes(present, as_float32=True))
+        self.add_many(steps=int(new_step), rounds=rounds, dense_bytes=total_bytes(present, as_float32=True))
 
     def as_dict(self):
         """Return the counters as Python ints."""

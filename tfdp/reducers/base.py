@@ -47,7 +47,7 @@ import threading
 
 import tensorflow as tf
 
-from tfdp._compat.keras import built_variables
+from tfdp._compat.keras import built_variables, counts_a_training_step
 from tfdp.reducers.optimizer_view import view as optimizer_view
 from tfdp.reducers.sparse import exchange_slices
 from tfdp.reducers.state import ReducerState, ReducerStateSaveable
@@ -154,7 +154,8 @@ class GradientReducer(abc.ABC):
         if len(grads) != len(variables):
             raise ValueError(f"Expected one gradient per variable. Received {len(grads)} gradients "
                              f"for {len(variables)} variables.")
-        self.communicator.stats.count_step(grads, self.rounds_per_step if self.communicator.size > 1 else 0)
+        self.communicator.stats.count_step(grads, self.rounds_per_step if self.communicator.size > 1 else 0,
+                                           new_step=counts_a_training_step())
         present = [i for i, g in enumerate(grads) if g is not None]
         slices = [i for i in present if self.sparse and isinstance(grads[i], tf.IndexedSlices)]
         dense = [i for i in present if i not in slices]

@@ -6,7 +6,7 @@ from tfdp._compat.tensorflow import local_variable
 from tfdp.compression import RandomK, resolve
 from tfdp.compression.codecs import dense_of_entries
 from tfdp.compression.error_feedback import ErrorFeedback
-from tfdp.reducers.base import GradientReducer, variable_key
+from tfdp.reducers.base import GradientReducer, update_group, variable_key
 from tfdp.reducers.optimizer_view import gradient_for_update, next_momentum_buffer
 from tfdp.reducers.optimizer_view import view as optimizer_view
 from tfdp.reducers.state import ReducerStateSaveable
@@ -97,6 +97,9 @@ class CompressedGradients(GradientReducer):
         self.warmup_steps = warmup_steps
         self.min_compress_bytes = min_compress_bytes
         self.momentum_correction = momentum_correction
+        self._step_counters = {}  # update group -> its step counter (see `_count_steps_of`)
+        self._updates_compressed = {}  # update group -> whether its optimizer's updates are compressed
+        self._group = None  # the update group of the update being traced
         self._step = self.state.variable("compression_step", lambda: tf.constant(0, tf.int64))
         self._corrected = None  # (positions, keys, compressed-now flag) of the step being traced
         self._compresses_updates = False
@@ -115,11 +118,15 @@ class CompressedGradients(GradientReducer):
         """True once the reducer compresses each worker's optimizer step (update compression)."""
         return self._compresses_updates
 
-    def _configure(self, opt):
-        """Choose gradient or update compression for the optimizer that applies the result."""
+    def _configure(self, opt, variables):
+        """Choose gradient or update compression for the optimizer that applies the result, and
+        make `_step` its step counter."""
+        self._count_steps_of(variables)
         self._compresses_updates = self._compresses_updates_of(opt)
-        # Each worker's optimizer steps on its own gradient: its moments differ per rank.
-        self.optimizer_state_per_rank = self._compresses_updates
+        # Each worker's optimizer steps on its own gradient: its moments differ per rank. With
+        # several optimizers (a MultiOptimizer's), the state of all is kept per rank if any's differs.
+        self._updates_compressed[self._group] = self._compresses_updates
+        self.optimizer_state_per_rank = any(self._updates_compressed.values())
         self.weights_rows = self.memory is None and not self._compresses_updates
 
     def saveable(self, optimizer):
@@ -129,8 +136,23 @@ class CompressedGradients(GradientReducer):
         return ReducerStateSaveable(self.state, optimizer)
 
     def reduce(self, grads, variables, optimizer=None):
-        self._configure(optimizer_view(optimizer))
+        self._configure(optimizer_view(optimizer), variables)
         return super().reduce(grads, variables, optimizer)
+
+    def _count_steps_of(self, variables):
+        """Make `_step` the step counter of the optimizer that updates `variables`.
+
+        Warm-up and the codecs' sampling count each optimizer's own updates: a MultiOptimizer's
+        sub-optimizers (or a GAN's two optimizers) update once each per training step, and one
+        shared counter would end warm-up after half the steps. Counters are made in the order of
+        first update, the same on every rank; the first keeps the name of earlier checkpoints.
+        """
+        self._group = update_group(list(variables))
+        if self._group not in self._step_counters:
+            n = len(self._step_counters)
+            self._step_counters[self._group] = self._step if n == 0 else self.state.variable(
+                f"compression_step_{n}", lambda: tf.constant(0, tf.int64))
+        self._step = self._step_counters[self._group]
 
     def _corrects(self, opt):
         if opt.momentum == 0 or self.momentum_correction in (False, "update"):
@@ -209,7 +231,7 @@ class CompressedGradients(GradientReducer):
         """Update compression: remember the weights before this worker's step (read before the
         optimizer writes: automatic control dependencies keep program order). A local residual
         needs no copy: the consensus it keeps is the reference."""
-        self._configure(optimizer_view(optimizer))
+        self._configure(optimizer_view(optimizer), variables)
         if self._compresses_updates:
             self._before_update = [] if self.local_residual else [tf.identity(tf.convert_to_tensor(v))
                                                                   for v in variables]
