@@ -65,6 +65,8 @@ def test_emulated_link_bytes_and_advisor_agree_with_the_measured_sync_step(tmp_p
     assert sync["payload_bytes_per_step"] > 3.9e6
     assert sync["link_over_payload"] == pytest.approx(1.0, abs=0.10)
     assert sync["measured_over_predicted"] == pytest.approx(1.0, abs=0.25)
+    # The advisor's latency per collective is this job's, measured on the link (an all-reduce of 4 bytes).
+    assert 0.1 < sync["latency_ms"] < 100
     # Negative control: the link really limits the step; the compute alone is far shorter.
     assert sync["median_ms"] > 2 * sync["compute_ms"]
 

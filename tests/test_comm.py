@@ -129,3 +129,14 @@ def test_graph_collectives_are_named_by_position_in_the_outermost_function():
     outer(tf.ones([2]))
     assert names[0] == "tfdp_allreduce_0"
     assert graph_collective_name("allreduce") is None  # eager: Horovod orders them itself
+
+
+def test_allreduce_seconds_times_the_collective_on_every_rank_and_counts_each_call():
+    from tfdp.comm.timing import allreduce_seconds
+
+    def body(comm):
+        return allreduce_seconds(comm, 1, repeats=3), comm.stats.as_dict()["collectives"]
+
+    for seconds, collectives in run_ranks(2, body):
+        assert 0 < seconds < 5
+        assert collectives == 4  # one untimed, then `repeats` timed

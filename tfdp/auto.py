@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import presets
+from tfdp.comm.timing import allreduce_seconds
 from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES, AllReduceGradients, compressed_reducer_factory
 from tfdp.reducers.switching import SwitchingReducer
 from tfdp.strategies.base import HorovodStrategy
@@ -166,8 +167,8 @@ class AutoStrategy(HorovodStrategy):
         communicator = self.extended.communicator
         shapes = [tuple(v.shape) for v in model.trainable_variables]
         elements = int(np.clip(sum(int(np.prod(s)) for s in shapes), PROBE_BYTES[0] // 4, PROBE_BYTES[1] // 4))
-        probe = _allreduce_seconds(communicator, elements)
-        latency = _allreduce_seconds(communicator, 1)
+        probe = allreduce_seconds(communicator, elements)
+        latency = allreduce_seconds(communicator, 1)
         from tfdp.tools.codec_timing import compressor_seconds
 
         compressors = [c for c in self.candidates if presets.load_variant(c)["strategy"] == "compressed"]
@@ -189,17 +190,6 @@ class AutoStrategy(HorovodStrategy):
         if self.is_chief:
             print(_explain(name, self._measurements), flush=True)
         return name
-
-
-def _allreduce_seconds(communicator, elements, repeats=3):
-    """Median seconds of an eager all-reduce of `elements` float32 (after one untimed)."""
-    value = tf.zeros([elements], tf.float32)
-    seconds = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        communicator.allreduce([value], op="sum")[0].numpy()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[1:])
 
 
 def _explain(name, m):

@@ -35,6 +35,9 @@ from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
 
 
 ROW_COUNT_BYTES = 4
+#: Seconds per collective when nothing was measured (`tfdp bench` and `auto` measure it: 2-4 ms for
+#: an all-reduce of 4 bytes between emulated hosts here, Horovod's negotiation included).
+DEFAULT_LATENCY_SECONDS = 1e-4
 #: Seconds an all-gather takes per second its bytes need on the wire (measured, see above).
 ALLGATHER_SLOWDOWN = 2.0
 #: Sync's all-reduce sends each rank's row count and its square (equal rows need no weighting).
@@ -100,8 +103,8 @@ def compute_time(compute_seconds, speeds, balanced):
     return compute_seconds / min(speeds)
 
 
-def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, speeds=None,
-            compressor_seconds=0.0):
+def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=DEFAULT_LATENCY_SECONDS,
+            speeds=None, compressor_seconds=0.0):
     """Predicted `Prediction` for the preset named `preset`; `speeds`: each worker's relative speed;
     `compressor_seconds`: the preset's measured compression compute per step (see the module docstring)."""
     spec = presets.load_variant(preset)
@@ -132,8 +135,8 @@ def fixed_presets():
     return [name for name in presets.preset_names() if presets.load_preset(name)["strategy"] != "auto"]
 
 
-def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=1e-4, names=None, speeds=None,
-           compressor_seconds=None):
+def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=DEFAULT_LATENCY_SECONDS, names=None,
+           speeds=None, compressor_seconds=None):
     """Predictions for every preset (or `names`), fastest first; `compressor_seconds`: a dict
     preset -> measured compression compute per step (missing presets: 0)."""
     measured = compressor_seconds or {}

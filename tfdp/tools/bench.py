@@ -132,7 +132,11 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
                 row[key] = r[key]
         if rate_mbit is not None:
             ran = row["picked"] or name
-            predicted = advisor.predict(ran, shapes, workers, rate_mbit * 1e6 / 8, compute,
+            # The latency per collective this job measured on its link (Horovod's negotiation and a
+            # round trip: 2-4 ms here, not the advisor's default of 0.1 ms).
+            latency = r.get("latency_seconds") or advisor.DEFAULT_LATENCY_SECONDS
+            row["latency_ms"] = 1000 * latency
+            predicted = advisor.predict(ran, shapes, workers, rate_mbit * 1e6 / 8, compute, latency_seconds=latency,
                                         compressor_seconds=single.get("compressor_seconds", {}).get(ran, 0.0))
             row["predicted_ms"] = 1000 * predicted.seconds_per_step
             row["measured_over_predicted"] = row["median_ms"] / row["predicted_ms"]
@@ -180,11 +184,14 @@ def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None, for
     link += ", one CPU per worker" if pin_cpus else ""
     slowdown_note = f", slowdown {slowdown} (rank:factor, CPU quota)" if slowdown else ""
     first = rows[0]
+    latencies = "/".join(f"{r['latency_ms']:.1f}" for r in rows) if all("latency_ms" in r for r in rows) else ""
     lines = [
         f"{workers} workers, {link}{slowdown_note}; {first['workload']} with {first['parameters']:,} parameters, "
         f"batch {first['batch_size_per_worker']} per worker; one worker alone: {1000 * compute_seconds:.1f} ms/step"
         + (f" (forward and loss {1000 * forward_seconds:.1f} ms: backprop and update "
-           f"{1 - forward_seconds / compute_seconds:.0%})" if forward_seconds else "") + ".",
+           f"{1 - forward_seconds / compute_seconds:.0%})" if forward_seconds else "")
+        + (f"; an all-reduce of 4 bytes (the advisor's latency per collective): {latencies} ms" if latencies else "")
+        + ".",
         "",
         "| preset | ms/step (median) | min–max | samples/s | vs sync | scaling eff. | payload MB/step "
         "| link MB/step | link/payload | advisor ms | measured/advisor | shares | busy ms/step "

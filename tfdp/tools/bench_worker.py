@@ -116,6 +116,17 @@ def _train_digits(strategy, batch_size, probe, target_accuracy, epochs):
     }
 
 
+def _collective_latency(strategy, repeats=9):
+    """Seconds of one all-reduce of 4 bytes on this job's link (the advisor's latency per
+    collective), measured on every rank after training; None for one worker."""
+    communicator = getattr(getattr(strategy, "extended", None), "communicator", None)
+    if communicator is None or communicator.size == 1:
+        return None
+    from tfdp.comm.timing import allreduce_seconds
+
+    return allreduce_seconds(communicator, 1, repeats=repeats)
+
+
 def run(preset, workload, params, batch_size, steps, warmup_steps, target_accuracy=0.95, epochs=20,
         optimizer="sgd"):
     """Train `workload` with preset `preset`; return the timing summary (a dict).
@@ -136,6 +147,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
     else:
         model, extra = _train_synthetic(strategy, workload, params, batch_size, warmup_steps + steps, probe,
                                         optimizer)
+    latency = _collective_latency(strategy)
     timed = probe.marks[warmup_steps:]
     steps = len(timed) - 1
     seconds = [b[0] - a[0] for a, b in zip(timed, timed[1:])]
@@ -157,6 +169,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
         "memory": strategy.memory_stats(model.optimizer) if hasattr(strategy, "memory_stats") else None,
         "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "auto": strategy.auto_stats() if isinstance(strategy, tfdp.AutoStrategy) else None,
+        "latency_seconds": latency,
         **extra,
     }
 
