@@ -51,6 +51,29 @@ def test_a_single_inter_op_thread_is_named_when_buckets_are_to_overlap(monkeypat
     np.testing.assert_allclose(results[0][1], [3.0, 3.0])
 
 
+@pytest.mark.parametrize("inter_op, collectives", [("1", 1), ("2", 2)])
+def test_auto_buckets_are_one_group_when_one_inter_op_thread_could_not_overlap_them(monkeypatch, inter_op, collectives):
+    # make bench (stop 33, 1 inter-op thread): 256 KiB buckets 0.94-0.98x a hand-written Horovod
+    # train_step, one group 1.00-1.05x. With 2 threads "auto" keeps its buckets (the control).
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", inter_op)
+    monkeypatch.setattr(tf.config.threading, "get_inter_op_parallelism_threads", lambda: 0)
+    monkeypatch.setattr(allreduce, "_warned_single_inter_op_thread", False)
+    entries = allreduce.DEFAULT_BUCKET_BYTES // 4  # two gradients of one default bucket each
+
+    def body(comm):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = AllReduceGradients(comm, bucket_bytes="auto").reduce(
+                [tf.fill([entries], comm.rank + 1.0), tf.ones([entries])],
+                [tf.Variable(tf.zeros([entries])), tf.Variable(tf.zeros([entries]))])
+        return comm.stats.as_dict()["collectives"], [float(o[0]) for o in out], [str(w.message) for w in caught]
+
+    for count, sums, messages in run_ranks(2, body):
+        assert count == collectives
+        assert sums == [3.0, 2.0]
+        assert not [m for m in messages if "inter-op pool has 1 thread" in m]  # nothing to warn about
+
+
 def run_case(tmp_path, name, np_, *args):
     out = tmp_path / name
     out.mkdir()

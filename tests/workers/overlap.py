@@ -1,4 +1,5 @@
-"""Train `tfdp bench`'s CNN for a few steps under sync's default buckets; Horovod's timeline
+"""Train `tfdp bench`'s CNN for a few steps in buckets of sync's default size (given, so that one
+inter-op thread keeps them too: the test's negative control); Horovod's timeline
 (``HOROVOD_TIMELINE``, set by the test) records when each bucket's all-reduce was submitted."""
 
 import argparse
@@ -8,6 +9,7 @@ from _common import write_result
 import keras
 
 import tfdp
+from tfdp.reducers.allreduce import DEFAULT_BUCKET_BYTES
 from tfdp.tools import workloads
 
 parser = argparse.ArgumentParser()
@@ -15,7 +17,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=12)
 args = parser.parse_args()
 
-strategy = tfdp.MirroredStrategy()
+strategy = tfdp.MirroredStrategy(bucket_bytes=DEFAULT_BUCKET_BYTES)
 with strategy.scope():
     model = workloads.build_cnn()
     model.compile(keras.optimizers.SGD(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))

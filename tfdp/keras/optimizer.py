@@ -33,8 +33,8 @@ def DistributedOptimizer(optimizer, op="average", backward_passes_per_step=1,  #
         error_feedback: with `compression`, keep what compression dropped and send
             it later (False for randomk).
         bucket_bytes: without `compression`, all-reduce in buckets of about this many
-            bytes, last layers first, overlapping backprop; ``"auto"``: 256 KiB, None: one
-            group (see `tfdp.MirroredStrategy`).
+            bytes, last layers first, overlapping backprop; ``"auto"``: 256 KiB (one group
+            with one inter-op thread), None: one group (see `tfdp.MirroredStrategy`).
 
     Returns:
         `optimizer`, with ``optimizer.communication_stats()`` added.

@@ -44,8 +44,9 @@ class MirroredStrategy(HorovodStrategy):
         bucket_bytes: an integer: buckets of about that many bytes, last layers first,
             each all-reduced as soon as its gradients exist (overlap with backprop); the
             same sums. ``"auto"`` (default): 256 KiB (measured, see
-            `tfdp.reducers.allreduce.DEFAULT_BUCKET_BYTES`). None: one grouped all-reduce of
-            every gradient after backprop.
+            `tfdp.reducers.allreduce.DEFAULT_BUCKET_BYTES`), or one group when TensorFlow's
+            inter-op pool has one thread (nothing could overlap). None: one grouped
+            all-reduce of every gradient after backprop.
         shard_optimizer_state: False: every worker keeps the whole optimizer state. True
             (or ``"flat"``, ``"variables"``): ZeRO stage 1, each worker keeps the optimizer
             state of 1/P of the model; gradients are reduce-scattered, each worker updates its
