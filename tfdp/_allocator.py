@@ -34,15 +34,16 @@ def prefer_pooled_cpu_allocator(environ=os.environ):
 def pooled_cpu_allocator_in_use():
     """True if this process's TensorFlow allocates CPU tensors with the BFC allocator.
 
-    Only pooled allocators keep statistics, so `get_memory_info` on the CPU tells them apart.
+    Only pooled allocators count what they hand out: after a tensor is made, `get_memory_info`
+    on the CPU shows a peak above 0 (malloc raises, or on some machines reports 0 and 0).
     """
     import tensorflow as tf
 
+    tf.zeros([1024]).numpy()  # something allocated, so a pooled allocator has a peak to report
     try:
-        tf.config.experimental.get_memory_info("CPU:0")
+        return tf.config.experimental.get_memory_info("CPU:0")["peak"] > 0
     except ValueError:
         return False
-    return True
 
 
 __all__ = ["POOLED_ALLOCATOR_ENV", "pooled_cpu_allocator_in_use", "prefer_pooled_cpu_allocator"]
