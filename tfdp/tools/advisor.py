@@ -35,7 +35,7 @@ from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
 
 
 ROW_COUNT_BYTES = 4
-#: Seconds per collective when nothing was measured (`tfdp bench` and `auto` measure it: 2-4 ms for
+#: Seconds per collective when nothing was measured (`tfdp bench` and `auto` measure it: 1-4 ms for
 #: an all-reduce of 4 bytes between emulated hosts here, Horovod's negotiation included).
 DEFAULT_LATENCY_SECONDS = 1e-4
 #: Seconds an all-gather takes per second its bytes need on the wire (measured, see above).

@@ -133,7 +133,7 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
         if rate_mbit is not None:
             ran = row["picked"] or name
             # The latency per collective this job measured on its link (Horovod's negotiation and a
-            # round trip: 2-4 ms here, not the advisor's default of 0.1 ms).
+            # round trip: 1-4 ms here, not the advisor's default of 0.1 ms).
             latency = r.get("latency_seconds") or advisor.DEFAULT_LATENCY_SECONDS
             row["latency_ms"] = 1000 * latency
             predicted = advisor.predict(ran, shapes, workers, rate_mbit * 1e6 / 8, compute, latency_seconds=latency,
