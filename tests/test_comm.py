@@ -140,3 +140,31 @@ def test_allreduce_seconds_times_the_collective_on_every_rank_and_counts_each_ca
     for seconds, collectives in run_ranks(2, body):
         assert 0 < seconds < 5
         assert collectives == 4  # one untimed, then `repeats` timed
+
+
+def test_allgather_stacked_sends_every_dtype_in_one_collective_and_restores_each_tensor():
+    def body(comm):
+        r = comm.rank
+        tensors = [tf.constant([[1.5 + r, -2.0], [3.0, r]]), tf.constant([7 + r, -1], tf.int32),
+                   tf.constant([-3 - r, 5, 127], tf.int8), tf.constant([40_000 + r], tf.uint16),
+                   tf.constant([[255 - r]], tf.uint8)]
+        return comm.allgather_stacked(tensors, gradients=True), comm.stats.as_dict(), tensors
+
+    (gathered, stats, mine), (_, _, theirs) = run_ranks(2, body)
+    assert stats["collectives"] == 1  # 5 tensors of 5 dtypes: one buffer of bytes
+    assert stats["payload_bytes"] == stats["gradient_bytes"] == 16 + 8 + 3 + 2 + 1
+    for got, a, b in zip(gathered, mine, theirs):
+        assert got.dtype == a.dtype and got.shape == [2, *a.shape]
+        np.testing.assert_array_equal(got.numpy(), np.stack([a.numpy(), b.numpy()]))
+
+
+def test_allgather_stacked_in_a_traced_function_with_a_shape_known_only_at_run_time():
+    echo = _Echo()
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32), tf.TensorSpec([None], tf.int32)])
+    def gather(values, indices):
+        return echo.allgather_stacked([values, indices])
+
+    values, indices = gather(tf.constant([0.5, -1.0, 3.0]), tf.constant([4, 0, 9], tf.int32))
+    np.testing.assert_array_equal(values.numpy(), [[0.5, -1.0, 3.0]] * 2)
+    np.testing.assert_array_equal(indices.numpy(), [[4, 0, 9]] * 2)

@@ -161,7 +161,7 @@ def _local_residual_top_k(from_entries, steps=5):
                                       local_residual=True)
         calls = []
         exchange_entries = reducer.codec.exchange_entries
-        reducer.codec.exchange_entries = (lambda *args: calls.append(1) or exchange_entries(*args)) \
+        reducer.codec.exchange_entries = (lambda *args, **kwargs: calls.append(1) or exchange_entries(*args, **kwargs)) \
             if from_entries else None
         variables = [tf.Variable(tf.zeros([12, 10]), name="kernel"), tf.Variable(tf.zeros([10]), name="bias")]
         optimizer = keras.optimizers.SGD(LR, momentum=MOMENTUM)

@@ -56,6 +56,41 @@ def test_compressed_reducer_sums_the_same_payloads_on_every_rank_and_keeps_its_r
     assert stats["gradient_bytes"] == 8 * k
 
 
+@pytest.mark.parametrize("codec, rounds", [
+    ("fp16", 1), ("bf16", 1), ("qsgd", 1), ("efsign", 1), (TopK(0.05), 1), (PowerSGD(2), 2),
+])
+def test_small_gradients_ride_in_the_codecs_collective_and_are_summed_exactly(codec, rounds):
+    from tfdp.compression import resolve
+
+    rng = np.random.default_rng(1)
+    large, small = rng.normal(size=(2, 64, 32)).astype("float32"), rng.normal(size=(2, 7)).astype("float32")
+
+    def body(comm):
+        vs = variables([(64, 32), (7,)])
+        reducer = CompressedGradients(comm, resolve(codec), error_feedback=False, min_compress_bytes=1024)
+        summed = reducer.reduce([tf.constant(large[comm.rank]), tf.constant(small[comm.rank])], vs)
+        return [s.numpy() for s in summed], comm.stats.as_dict()
+
+    (sums0, stats), (sums1, _) = run_ranks(2, body)
+    assert stats["collectives"] == rounds  # not one more for the 7 small entries
+    np.testing.assert_array_equal(sums0[1], small[0] + small[1])  # exact, uncompressed
+    for a, b in zip(sums0, sums1):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_gather_among_many_workers_leaves_many_small_gradients_to_an_all_reduce():
+    def body(comm):
+        vs = variables([(64, 32)] + [(200,)] * 30)  # 24 KB of small tensors
+        grads = [tf.fill(v.shape, float(comm.rank)) for v in vs]
+        summed = CompressedGradients(comm, TopK(0.05), error_feedback=False).reduce(grads, vs)
+        return summed[1].numpy(), comm.stats.as_dict()["collectives"]
+
+    for workers, collectives in ((2, 1), (4, 2)):  # 4 workers: a gather would move 2x a ring's bytes
+        for small_sum, counted in run_ranks(workers, body):
+            np.testing.assert_array_equal(small_sum, np.full(200, sum(range(workers)), "float32"))
+            assert counted == collectives
+
+
 def test_powersgd_keeps_q_in_the_reducer_state_keyed_by_variable():
     def body(comm):
         vs = variables([(16, 8)], prefix="layer")

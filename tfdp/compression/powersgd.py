@@ -61,7 +61,7 @@ class PowerSGD(Codec):
         return state.variable(f"{key}/powersgd_q",
                               lambda: tf.random.stateless_normal([m, self.rank], seed=seed))
 
-    def exchange(self, tensors, keys, step, communicator, state=None):
+    def exchange(self, tensors, keys, step, communicator, state=None, plain=()):
         if state is None:
             raise ValueError("PowerSGD keeps Q between steps: pass the reducer's `state`.")
         chosen = [i for i, t in enumerate(tensors) if self.compresses(t.shape)]
@@ -69,9 +69,10 @@ class PowerSGD(Codec):
         matrices = [tf.reshape(tf.cast(tensors[i], tf.float32), matrix_shape(tensors[i].shape)) for i in chosen]
         qs = [self._warm_q(state, keys[i], j, m.shape[1]) for j, (i, m) in enumerate(zip(chosen, matrices))]
 
-        # Round 1: P = M Q, summed; dense tensors ride along in the same collective.
+        # Round 1: P = M Q, summed; dense and plain tensors ride along in the same collective.
         ps = [tf.matmul(m, q) for m, q in zip(matrices, qs)]
-        round1 = communicator.allreduce(ps + [tensors[i] for i in dense], op="sum", gradients=True)
+        riding = [tensors[i] for i in dense] + list(plain)
+        round1 = communicator.allreduce(ps + riding, op="sum", gradients=True)
         ps = [tf.linalg.qr(p).q for p in round1[: len(ps)]]
         # Round 2: Q = M^T P_orth, summed. Sum over workers of P_orth Q_w^T is P_orth Q^T.
         local_qs = [tf.matmul(m, p, transpose_a=True) for m, p in zip(matrices, ps)]
@@ -85,4 +86,4 @@ class PowerSGD(Codec):
             qs[j].assign(summed_qs[j])
         for j, i in enumerate(dense):
             summed[i] = round1[len(ps) + j]
-        return summed, sent
+        return summed + round1[len(ps) + len(dense):], sent

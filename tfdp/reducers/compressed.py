@@ -196,13 +196,14 @@ class CompressedGradients(GradientReducer):
         """A copy of the optimizer's momentum buffer (the same on every rank)."""
         return self.state.variable(f"{key}/optimizer_momentum", lambda: tf.zeros(variable.shape, variable.dtype))
 
-    def _compressed(self, grads, keys, variables, step, opt, correct, feedback=True):
+    def _compressed(self, grads, keys, variables, step, opt, correct, feedback=True, plain=()):
+        """The codec's exchange of `grads` (and of `plain`, summed exactly: see `Codec.exchange`)."""
         if correct:
             grads = [self._accumulate(k, v, g, opt, step) for k, v, g in zip(keys, variables, grads)]
         memory = self.memory if feedback else None
         if memory is not None:
             grads = [memory.compensate(k, g) for k, g in zip(keys, grads)]
-        summed, sent = self.codec.exchange(grads, keys, step, self.communicator, self.state)
+        summed, sent = self.codec.exchange(grads, keys, step, self.communicator, self.state, plain)
         if memory is not None:
             for k, g, s in zip(keys, grads, sent):
                 self.memory.update(k, g, s)
@@ -297,8 +298,8 @@ class CompressedGradients(GradientReducer):
         (a pass over every entry each) of the general path."""
         large, small = self._split(ahead)
         step = tf.convert_to_tensor(self._step)
-        entries = self.codec.exchange_entries([ahead[i] for i in large], step, self.communicator)
-        summed_small = self.communicator.allreduce([ahead[i] for i in small], op="sum", gradients=True)
+        entries, summed_small = self.codec.exchange_entries([ahead[i] for i in large], step, self.communicator,
+                                                            plain=[ahead[i] for i in small])
         self._step.assign_add(1)
         size = self.communicator.size
         for i, (indices, values, own_indices, own_values) in zip(large, entries):
@@ -325,20 +326,24 @@ class CompressedGradients(GradientReducer):
         step = tf.convert_to_tensor(self._step)
         keys = [variable_key(variables[i]) for i in large]
         chosen = [grads[i] for i in large]
+        plain = [grads[i] for i in small]
 
+        # The small gradients travel with the compressed payloads where the codec can carry them:
+        # one collective fewer per step.
         def compressed():
-            return self._compressed(chosen, keys, [variables[i] for i in large], step, opt, correct, feedback)
+            return self._compressed(chosen, keys, [variables[i] for i in large], step, opt, correct, feedback,
+                                    plain)
 
         def dense():
-            return self.communicator.allreduce(chosen, op="sum", gradients=True), list(chosen)
+            return self.communicator.allreduce(chosen + plain, op="sum", gradients=True), list(chosen)
 
         if not chosen:
-            summed_large, sent_large = [], []
+            summed, sent_large = self.communicator.allreduce(plain, op="sum", gradients=True), []
         elif self.warmup_steps > 0:
-            summed_large, sent_large = tf.cond(step < self.warmup_steps, dense, compressed)
+            summed, sent_large = tf.cond(step < self.warmup_steps, dense, compressed)
         else:
-            summed_large, sent_large = compressed()
-        summed_small = self.communicator.allreduce([grads[i] for i in small], op="sum", gradients=True)
+            summed, sent_large = compressed()
+        summed_large, summed_small = summed[:len(large)], summed[len(large):]
         self._step.assign_add(1)
         self._corrected = (large, keys, step >= self.warmup_steps) if correct else None
 
