@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 
 .PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts bench-balance bench-zero1 \
-	bench-overlap bench-overlap-shared bench-compressor-speed
+	bench-overlap bench-overlap-shared bench-compressor-speed bench-loopback-presets
 setup:
 	bash tools/setup_env.sh
 
@@ -79,3 +79,7 @@ bench-overlap-shared: setup
 # Each compressed preset's compute per step on the 6 M-parameter MLP's gradients (one thread).
 bench-compressor-speed: setup
 	$(PY) benchmarks/compressor_speed.py
+
+# The compressed presets against sync on loopback, the digits conv net, alternating in the same processes.
+bench-loopback-presets: setup
+	$(PY) benchmarks/paired_presets.py

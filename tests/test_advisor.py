@@ -10,7 +10,7 @@ MATRIX = [(1000, 1000)]  # 4,000,000 bytes as float32
 B = 1e6  # bytes/s
 R = 4  # each rank's row count, one float32 all-reduced with the gradients (not under error feedback)
 R2 = 8  # sync: the row count and its square (equal rows are not weighted)
-G = 1.0  # codecs' payloads of these sizes are gathered by all-to-all, at the ring's wire time
+G = advisor.ALLGATHER_SLOWDOWN  # an all-gather's time per second of its bytes on the wire
 
 
 def test_ring_bytes_per_worker():
@@ -27,7 +27,7 @@ def test_ring_bytes_per_worker():
     [
         ("sync", 0.5 + 4.0 + R2 / B),                              # C + M
         ("fp16", 0.5 + 2.0),                                       # 2 bytes per entry
-        ("qsgd", 0.5 + (G * (4 + 1e6) + R) / B),                   # norm + int8 levels, no error feedback
+        ("qsgd", 0.5 + G * (4 + 1e6 + R) / B),                     # norm + int8 levels + row count, one gather
         ("topk-1pct", 0.5 + G * (8 * 10_000) / B),                 # value + index, all-gathered once (P=2)
         ("efsign", 0.5 + G * (125_000 + 4 * math.ceil(1e6 / 256)) / B),
         ("powersgd-r4", 0.5 + ((1000 + 1000) * 4 * 4) / B),
@@ -40,15 +40,11 @@ def test_predicted_step_time(preset, seconds):
     assert row.seconds_per_step == pytest.approx(seconds, rel=1e-12)
 
 
-def test_only_gathers_too_large_for_an_all_to_all_count_the_all_gather_slowdown():
-    small = advisor.predict("bf16", MATRIX, workers=2, bandwidth_bytes=B, compute_seconds=0.5, latency_seconds=0)
-    assert small.communication_seconds == pytest.approx(2e6 / B)  # 2 bytes per entry, at the wire time
-    # 36 M entries as bfloat16: 2 copies of 72 MB do not fit the all-to-all's 64 MB; all-gathered.
-    large = advisor.predict("bf16", [(6000, 6000)], workers=2, bandwidth_bytes=B, compute_seconds=0.5,
-                            latency_seconds=0)
-    assert advisor.ALLGATHER_SLOWDOWN == 2.0
-    assert large.bytes_sent == 72e6  # what travels
-    assert large.communication_seconds == pytest.approx(2 * 72e6 / B)  # what it costs on Gloo
+def test_all_gather_slowdown_counts_in_time_not_in_bytes():
+    row = advisor.predict("topk-1pct", MATRIX, workers=2, bandwidth_bytes=B, compute_seconds=0.5, latency_seconds=0)
+    assert G == 2.0
+    assert row.bytes_sent == 80_000  # what travels
+    assert row.communication_seconds == pytest.approx(2 * 80_000 / B)  # what it costs on Gloo
 
 
 def test_latency_counts_each_collective():
@@ -56,8 +52,8 @@ def test_latency_counts_each_collective():
     two = advisor.predict("powersgd-r4", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
     assert one == pytest.approx(4.0 + R2 / B + 0.01)
     assert two == pytest.approx(32_000 / B + 0.02)  # P (the small tensors ride with it), then Q
-    # fp16 among 4 workers is all-reduced in float16: the float32 small tensors need their own.
-    _, collectives = advisor.exchange({"compressor": "fp16"}, "compressed", [(1000, 1000), (100,)], workers=4)
+    # fp16 between hosts is all-reduced in float16: the float32 small tensors need their own.
+    _, collectives = advisor.exchange({"compressor": "fp16"}, "compressed", [(1000, 1000), (100,)], workers=2)
     assert collectives == 2
 
 

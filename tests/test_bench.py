@@ -134,3 +134,19 @@ def test_balanced_without_a_slow_worker_keeps_equal_shares_and_sync_speed(tmp_pa
     # quite equal (busy time per row measured 4-15% apart), hence 10%, not the 5% hysteresis.
     assert all(abs(share - 0.5) <= 0.10 * 0.5 for share in balanced["shares"])
     assert balanced["speedup_vs_sync"] >= 0.9
+
+
+def test_paired_presets_benchmark_times_each_preset_in_the_same_blocks_as_sync(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "paired_presets.py")
+    out = subprocess.run([sys.executable, script, "--presets", "sync", "fp16", "--blocks", "2",
+                          "--json", str(tmp_path / "paired.json")], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **QUIET_ENV})
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "paired.json").read_text())
+    seconds = report["seconds_per_step"]
+    assert len(seconds["sync"]) == len(seconds["fp16"]) == 2  # one median per block, the slower rank's
+    assert all(0 < s < 1 for s in seconds["sync"] + seconds["fp16"])
+    assert report["ratio_to_baseline"]["sync"] == 1.0
+    ratios = sorted(f / s for f, s in zip(seconds["fp16"], seconds["sync"]))
+    assert report["ratio_to_baseline"]["fp16"] == pytest.approx((ratios[0] + ratios[1]) / 2)
+    assert "| fp16 |" in out.stdout

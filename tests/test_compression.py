@@ -43,19 +43,20 @@ def test_casts_halve_bytes_within_rounding(name, significant_bits):
     assert np.all(np.abs(restored.numpy() - x.numpy()) <= bound)
 
 
-def test_fp16_is_summed_in_float32_at_two_workers_and_all_reduced_in_float16_among_more():
+@pytest.mark.parametrize("single_host, first", [(True, 80_000.0), (False, np.inf)])  # float16 overflows above 65504
+def test_fp16_is_summed_in_float32_on_one_host_and_all_reduced_in_float16_between_hosts(single_host, first):
     from tfdp.comm.fake import run_ranks
 
     def body(comm):
+        comm.single_host = single_host
         summed, sent = Cast("float16").exchange([tf.constant([40_000.0, 0.1])], ["w"], 0, comm)
         return summed[0].numpy(), sent[0].numpy(), comm.stats.as_dict()
 
-    for workers, first in ((2, 80_000.0), (4, np.inf)):  # float16 overflows above 65504
-        for summed, sent, stats in run_ranks(workers, body):
-            assert summed[0] == first
-            np.testing.assert_allclose(summed[1], workers * np.float16(0.1), rtol=1e-3)
-            assert sent[1] == np.float32(np.float16(0.1))  # what this worker's payload stands for
-            assert stats["collectives"] == 1 and stats["payload_bytes"] == 4  # 2 entries, 2 bytes each
+    for summed, sent, stats in run_ranks(2, body):
+        assert summed[0] == first
+        np.testing.assert_allclose(summed[1], 2 * np.float16(0.1), rtol=1e-3)
+        assert sent[1] == np.float32(np.float16(0.1))  # what this worker's payload stands for
+        assert stats["collectives"] == 1 and stats["payload_bytes"] == 4  # 2 entries, 2 bytes each
 
 
 def test_topk_keeps_exactly_the_k_largest():

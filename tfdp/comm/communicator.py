@@ -40,6 +40,9 @@ class Communicator(abc.ABC):
     def size(self):
         """The number of workers."""
 
+    #: Every worker runs on this host: collectives move memory, not network bytes.
+    single_host = False
+
     @abc.abstractmethod
     def _allreduce(self, tensors, op, name):
         """Reduce each tensor across workers (`op` in sum/average/min/max)."""
@@ -196,11 +199,6 @@ def graph_collective_name(kind):
     return f"tfdp_{kind}_{index}"
 
 
-#: The largest copy (bytes, all workers' copies of a buffer) `HorovodCommunicator` makes to
-#: gather by all-to-all instead of all-gather.
-ALLTOALL_GATHER_MAX_BYTES = 64 << 20
-
-
 class HorovodCommunicator(Communicator):
     """`Communicator` over Horovod's collectives (Gloo or MPI on CPU)."""
 
@@ -217,6 +215,10 @@ class HorovodCommunicator(Communicator):
     @property
     def size(self):
         return self._hvd.size()
+
+    @property
+    def single_host(self):
+        return self._hvd.local_size() == self._hvd.size()
 
     def _allreduce(self, tensors, op, name):
         hvd_op = {"sum": self._hvd.Sum, "average": self._hvd.Average, "min": self._hvd.Min,
@@ -240,17 +242,6 @@ class HorovodCommunicator(Communicator):
         if len(tensors) == 1:
             return [self._hvd.allgather(tensors[0], name=name, ignore_name_scope=True)]
         return self._hvd.grouped_allgather(tensors, name=name, ignore_name_scope=True)
-
-    def _gather_rows(self, buffer):
-        """An all-to-all of `size` copies of `buffer` when they fit in `ALLTOALL_GATHER_MAX_BYTES`:
-        it moves the bytes of a ring all-gather, and on this machine's emulated 100 Mbit/s link
-        took 167-176 ms where Horovod's all-gather took 317 ms (2 MB per worker,
-        `benchmarks/collectives_on_link.py`). Larger buffers are all-gathered."""
-        size = self.size
-        if not buffer.shape.is_fully_defined() or size * buffer.shape.num_elements() > ALLTOALL_GATHER_MAX_BYTES:
-            return super()._gather_rows(buffer)
-        return self._hvd.alltoall(tf.tile(buffer[None], [size, 1]), name=graph_collective_name("alltoall"),
-                                  ignore_name_scope=True)
 
     def _reduce_scatter(self, tensor):
         # Gloo's reduce-scatter (halving-doubling): each worker sends about (size-1)/size of it.

@@ -45,6 +45,8 @@ def _numpy(tensor):
 class FakeCommunicator(Communicator):
     """Rank `rank` of an in-process group; build a group with `fake_group(size)`."""
 
+    single_host = True  # threads of one process (a test may set False to take the network's paths)
+
     def __init__(self, meeting, rank, stats=None, background=None):
         self._meeting = meeting
         self._background = background or meeting

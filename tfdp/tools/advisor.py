@@ -4,11 +4,10 @@ Cost model (steady state, P workers, link bandwidth B bytes/s, latency a per col
 
 - ring all-reduce of b bytes: each worker sends 2 (P - 1) / P x b;
 - ring all-gather of b bytes per worker: each worker sends (P - 1) x b;
-- communication time M = bytes sent / B + a x collectives. Codecs' payloads are gathered by an
-  all-to-all (`tfdp.comm.HorovodCommunicator`), at the ring's wire time; above
-  `ALLTOALL_GATHER_MAX_BYTES` by Horovod's Gloo all-gather, whose bytes count `ALLGATHER_SLOWDOWN`
-  times (`benchmarks/collectives_on_link.py`: 2 MB per worker, 2 hosts at 100 Mbit/s, 317 ms
-  against 167-176 ms for an all-to-all or a reduce-scatter of the same bytes);
+- communication time M = bytes sent / B + a x collectives, where an all-gather's bytes count
+  `ALLGATHER_SLOWDOWN` times: Horovod's Gloo all-gather takes about twice its ring wire time
+  (`benchmarks/collectives_on_link.py`: 2 MB per worker, 2 hosts at 100 Mbit/s, 317 ms against
+  167-176 ms for a reduce-scatter of the same bytes); the workers are on separate hosts;
 - synchronous and compressed presets: C + M; bounded staleness s >= 1: max(C, M);
   local SGD every H steps: C + M / H.
 - workers of different speeds (relative speeds v_r, 1 = the worker C was measured on):
@@ -31,7 +30,6 @@ Example:
 from dataclasses import dataclass
 
 from tfdp import presets
-from tfdp.comm.communicator import ALLTOALL_GATHER_MAX_BYTES
 from tfdp.compression import resolve
 from tfdp.compression.codecs import plain_rides
 from tfdp.reducers import DEFAULT_MIN_COMPRESS_BYTES
@@ -102,15 +100,6 @@ def exchange(preset_options, kind, shapes, workers=2):
     return [(compressed, travel), (small, travel)], rounds
 
 
-def gather_slowdown(payloads, workers, how):
-    """Seconds per second of wire time of a collective of kind `how` among `payloads`: 1, but for
-    an all-gather too large for `HorovodCommunicator`'s all-to-all (`ALLGATHER_SLOWDOWN`)."""
-    if how != "allgather":
-        return 1.0
-    gathered = sum(b for b, kind in payloads if kind == "allgather")
-    return ALLGATHER_SLOWDOWN if workers * gathered > ALLTOALL_GATHER_MAX_BYTES else 1.0
-
-
 def compute_time(compute_seconds, speeds, balanced):
     """Compute time per step of a job whose workers run at relative `speeds` (None: all 1)."""
     if not speeds:
@@ -133,7 +122,9 @@ def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_s
         compute_seconds += compressor_seconds
     payloads, collectives = exchange(options, kind, shapes, workers)
     sent = sum(ring_bytes(b, workers, how) for b, how in payloads)
-    timed_bytes = sum(ring_bytes(b, workers, how) * gather_slowdown(payloads, workers, how) for b, how in payloads)
+    # The bytes' time on the link: an all-gather's count `ALLGATHER_SLOWDOWN` times.
+    timed_bytes = sum(ring_bytes(b, workers, how) * (ALLGATHER_SLOWDOWN if how == "allgather" else 1.0)
+                      for b, how in payloads)
     payload = sum(b for b, _ in payloads)
     comm = timed_bytes / bandwidth_bytes + (latency_seconds * collectives if workers > 1 else 0.0)
     every = options.get("sync_every") if kind == "async" else None
