@@ -5,8 +5,9 @@ workers by all-reduce and `decompress` turns the sum into a tensor. Other payloa
 all-gathered, each tensor with a leading axis of workers; `decompress` then receives
 that stacked payload and returns the sum of every worker's tensor.
 
-`Codec.exchange` runs the whole round for a list of gradients (one grouped collective
-per payload dtype) and also returns what this worker sent, which error feedback needs.
+`Codec.exchange` runs the whole round for a list of gradients (one collective, which also
+carries the small tensors sent uncompressed where it can) and also returns what this worker
+sent, which error feedback needs.
 Codecs whose exchange takes more than one round or keeps state between steps (PowerSGD)
 override it; their state lives in the reducer's `ReducerState`, passed in as `state`.
 
