@@ -30,7 +30,7 @@ def test_ring_bytes_per_worker():
         ("qsgd", 0.5 + G * (4 + 1e6 + R) / B),                     # norm + int8 levels + row count, one gather
         ("topk-1pct", 0.5 + G * (8 * 10_000) / B),                 # value + index, all-gathered once (P=2)
         ("efsign", 0.5 + G * (125_000 + 4 * math.ceil(1e6 / 256)) / B),
-        ("powersgd-r4", 0.5 + ((1000 + 1000) * 4 * 4) / B),
+        ("powersgd-r4", 0.5 + ((1000 + 1000) * 4 * 4 / 2) / B),   # P or Q, alternating: half on average
         ("async-s1", max(0.5, 4.0 + R / B)),                       # overlap
         ("local-sgd-h16", 0.5 + (4.0 + R / B) / 16),               # one exchange per 16 steps
     ],
@@ -49,9 +49,12 @@ def test_all_gather_slowdown_counts_in_time_not_in_bytes():
 
 def test_latency_counts_each_collective():
     one = advisor.predict("sync", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
-    two = advisor.predict("powersgd-r4", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
+    two = advisor.predict("powersgd-r4:compressor.alternate=false", MATRIX, 2, B, 0.0,
+                          latency_seconds=0.01).seconds_per_step
+    alternating = advisor.predict("powersgd-r4", MATRIX, 2, B, 0.0, latency_seconds=0.01).seconds_per_step
     assert one == pytest.approx(4.0 + R2 / B + 0.01)
     assert two == pytest.approx(32_000 / B + 0.02)  # P (the small tensors ride with it), then Q
+    assert alternating == pytest.approx(16_000 / B + 0.01)  # P or Q, one collective
     # fp16 between hosts is all-reduced in float16: the float32 small tensors need their own.
     _, collectives = advisor.exchange({"compressor": "fp16"}, "compressed", [(1000, 1000), (100,)], workers=2)
     assert collectives == 2

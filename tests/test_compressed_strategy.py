@@ -36,11 +36,13 @@ def expected_bytes(name, shape):
         return 4 + n  # norm + int8 levels
     if name == "efsign":
         return math.ceil(n / 8) + 4 * math.ceil(n / 256)  # packed signs + one scale per 256
-    if name == "powersgd":
+    if name.startswith("powersgd"):
         if len(shape) < 2:
             return 4 * n
         rows, cols = numel(shape[:-1]), shape[-1]
-        return 4 * (rows + cols) * 4 if (rows + cols) * 4 < rows * cols else 4 * n
+        # Alternating: P (rows x 4) on even steps, Q (cols x 4) on odd ones; 6 steps after warm-up.
+        factors = (rows + cols) * 4 // (2 if name == "powersgd-alternate" else 1)
+        return 4 * factors if (rows + cols) * 4 < rows * cols else 4 * n
     raise AssertionError(name)
 
 
@@ -61,14 +63,17 @@ def delta(result, field):
     return result["after"][field] - result["before"][field]
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "topk", "randomk", "qsgd", "efsign", "powersgd"])
+ALL = ["none", "fp16", "bf16", "topk", "randomk", "qsgd", "efsign", "powersgd", "powersgd-alternate"]
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_gradient_bytes_are_what_the_shapes_say(results, name):
     _, ranks = results
     for rank in ranks:
         case = rank[name]
         dense = sum(4 * numel(s) for s in case["shapes"])
         compressed = sum(expected_bytes(name, s) for s in case["shapes"])
-        warmup = 2 if name == "powersgd" else 0  # powersgd's first 2 steps are dense
+        warmup = 2 if name.startswith("powersgd") else 0  # powersgd's first 2 steps are dense
         assert delta(case, "steps") == STEPS
         assert delta(case, "dense_bytes") == STEPS * dense
         # Plus each step's row count (one float32) where it is sent with the gradients.
@@ -77,6 +82,13 @@ def test_gradient_bytes_are_what_the_shapes_say(results, name):
         # The logger reports the epoch's mean per step.
         assert case["history"]["gradient_bytes_per_step"] == [delta(case, "gradient_bytes") / STEPS]
         assert case["history"]["dense_bytes_per_step"] == [dense]
+
+
+def test_alternating_powersgd_sends_one_collective_a_step_where_powersgd_sends_two(results):
+    _, ranks = results
+    for rank in ranks:
+        two_rounds, alternating = (delta(rank[name], "collectives") for name in ("powersgd", "powersgd-alternate"))
+        assert two_rounds - alternating == STEPS - 2  # one fewer on every step after the 2 dense ones
 
 
 # Nominal ratios: 2x for 16-bit, 50x for top-1% with int32 indices, 28.4x for 1-bit signs
@@ -95,7 +107,7 @@ def test_compression_ratio_meets_its_nominal_bound(results, name):
     assert ranks[0]["none"]["history"]["compression_ratio"][0] == 1.0
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "topk", "randomk", "qsgd", "efsign", "powersgd"])
+@pytest.mark.parametrize("name", ALL)
 def test_ranks_hold_identical_weights_after_every_step(results, name):
     _, (rank0, rank1) = results
     assert len(rank0[name]["checksums"]) == STEPS
@@ -153,7 +165,7 @@ def test_tensorboard_gets_the_ratio_on_rank0_only(results):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     event_dirs = sorted(p.name for p in out.iterdir() if p.name.startswith("tb-"))
-    assert len(event_dirs) == 8 + len(ADAM_CASES)  # one per fitted case, written by rank 0
+    assert len(event_dirs) == len(ALL) + len(ADAM_CASES)  # one per fitted case, written by rank 0
     accumulator = EventAccumulator(str(out / "tb-topk"), size_guidance={"tensors": 0}).Reload()
     [event] = accumulator.Tensors("communication/compression_ratio")
     assert float(tf.make_ndarray(event.tensor_proto)) >= 45

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdp import compression
 import tfdp
-from tfdp.comm.fake import fake_group
+from tfdp.comm.fake import fake_group, run_ranks
 from tfdp.compression import QSGD, Cast, EFSign, ErrorFeedback, PowerSGD, RandomK, TopK
 from tfdp.compression.codecs import largest_magnitudes, pack_signs, sample_positions, unpack_signs
 from tfdp.reducers import CompressedGradients, ReducerState
@@ -219,18 +219,56 @@ def test_powersgd_is_exact_on_a_matrix_of_its_rank_and_warm_starts():
     np.testing.assert_allclose(np.abs(kept_q), np.abs(low_rank.numpy().T @ p_orth), rtol=1e-4, atol=1e-4)
 
 
-def test_powersgd_error_shrinks_over_steps_on_a_fixed_matrix():
+@pytest.mark.parametrize("alternate, steps", [(False, 30), (True, 60)])
+def test_powersgd_error_shrinks_over_steps_on_a_fixed_matrix(alternate, steps):
     # Power iteration: with a warm-started Q the rank-2 approximation of a fixed
-    # full-rank matrix approaches the best rank-2 one (the truncated SVD).
+    # full-rank matrix approaches the best rank-2 one (the truncated SVD). Alternating,
+    # a step is half an iteration.
     m = tf.constant(np.random.default_rng(6).normal(size=(40, 30)).astype("float32"))
-    codec, errors, state = PowerSGD(rank=2), [], ReducerState(one_worker_communicator())
-    for step in range(30):
+    codec, errors, state = PowerSGD(rank=2, alternate=alternate), [], ReducerState(one_worker_communicator())
+    for step in range(steps):
         summed, _ = codec.exchange([m], ["w"], step, state.communicator, state)
         errors.append(float(tf.norm(m - summed[0])))
     u, s, vt = np.linalg.svd(m.numpy())
     best = np.linalg.norm(m.numpy() - (u[:, :2] * s[:2]) @ vt[:2])
     assert errors[-1] < errors[0]
     assert errors[-1] <= best * 1.01
+
+
+def test_alternating_powersgd_sends_one_factor_a_step_and_is_exact_once_it_has_both_subspaces():
+    # Two workers whose gradients are rank-2 matrices in the same row and column spaces: step 0
+    # projects onto a random Q (not exact), step 1 onto P = orth(sum M Q), the column space
+    # (exact), step 2 onto Q = sum M^T P, the row space (exact). One all-reduce a step, of P
+    # (64 x 2) or Q (48 x 2) and the bias riding with it.
+    rng = np.random.default_rng(7)
+    left, right = rng.normal(size=(64, 2)), rng.normal(size=(2, 48))
+    grads = [(left @ rng.normal(size=(2, 2)) @ right).astype("float32") for _ in range(2)]
+    biases = rng.normal(size=(2, 48)).astype("float32")
+
+    def body(comm):
+        codec, state = PowerSGD(rank=2, alternate=True), ReducerState(comm)
+        steps = []
+        for step in range(3):
+            before = comm.stats.as_dict()
+            summed, sent = codec.exchange([tf.constant(grads[comm.rank])], ["w"], tf.constant(step, tf.int64),
+                                          comm, state, plain=[tf.constant(biases[comm.rank])])
+            after = comm.stats.as_dict()
+            steps.append(([t.numpy() for t in summed], sent[0].numpy(),
+                          after["collectives"] - before["collectives"], after["payload_bytes"] - before["payload_bytes"]))
+        return steps
+
+    ranks = run_ranks(2, body)
+    total = grads[0] + grads[1]
+    for step, ((summed, sent0, collectives, nbytes), (summed1, sent1, _, _)) in enumerate(zip(*ranks)):
+        assert collectives == 1
+        assert nbytes == (64 * 2 if step % 2 == 0 else 48 * 2) * 4 + 48 * 4
+        np.testing.assert_array_equal(summed[0], summed1[0])  # the same on both ranks
+        np.testing.assert_array_equal(summed[1], biases[0] + biases[1])  # the bias exact
+        np.testing.assert_allclose(sent0 + sent1, summed[0], atol=1e-4)  # a projection is linear
+        error = np.linalg.norm(summed[0] - total) / np.linalg.norm(total)
+        assert (error > 0.1) if step == 0 else (error < 1e-5), (step, error)
+    assert PowerSGD(2, alternate=True).payload_bytes((64, 48)) == (64 + 48) * 2 * 4 // 2
+    assert PowerSGD(2, alternate=True).rounds == 1 and PowerSGD(2).rounds == 2
 
 
 def test_reducer_error_feedback_sends_everything_eventually():

@@ -58,6 +58,7 @@ def test_compressed_reducer_sums_the_same_payloads_on_every_rank_and_keeps_its_r
 
 @pytest.mark.parametrize("codec, rounds", [
     ("fp16", 1), ("bf16", 1), ("qsgd", 1), ("efsign", 1), (TopK(0.05), 1), (PowerSGD(2), 2),
+    (PowerSGD(2, alternate=True), 1),
 ])
 def test_small_gradients_ride_in_the_codecs_collective_and_are_summed_exactly(codec, rounds):
     from tfdp.compression import resolve

@@ -24,6 +24,7 @@ COMPRESSORS = {
     "qsgd": {"compressor": {"name": "qsgd", "levels": 64}, "error_feedback": False},
     "efsign": {"compressor": "efsign"},
     "powersgd": {"compressor": {"name": "powersgd", "rank": 4}, "warmup_steps": 2},
+    "powersgd-alternate": {"compressor": {"name": "powersgd", "rank": 4, "alternate": True}, "warmup_steps": 2},
     "randomk": {"compressor": {"name": "randomk", "ratio": 0.05}, "error_feedback": False},
 }
 # Under Adam, "auto" compresses each worker's optimizer step instead of its gradient.

@@ -35,6 +35,8 @@ class Codec:
     summable = True
     #: The dtype of a summable codec's payloads (plain float32 tensors ride with them if it matches).
     payload_dtype = "float32"
+    #: Dependent collectives per step (PowerSGD's second round waits on its first).
+    rounds = 1
     #: Codecs whose payloads are (index, value) entries define it (top-k): the round of
     #: `exchange` delivered as entries. None: only dense sums (see `TopK.exchange_entries`).
     exchange_entries = None

@@ -6,6 +6,12 @@ Q = M^T P_orth (m x r): (n + m) r floats instead of n m. Q is kept between steps
 start, kept in the reducer's state and so in checkpoints), so the approximation improves
 over steps like a power iteration. Vectors
 (biases, norms) and matrices too small to gain go as dense float32.
+
+With ``alternate=True`` each step sends one factor only, P on even steps and Q on odd ones
+(ACP-SGD: Zhang et al., "Evaluation and Optimization of Gradient Compression for Distributed
+Deep Learning", https://arxiv.org/abs/2306.08881): the step projects every worker's M onto the
+subspace the workers agreed on at the previous step (M Q Q^T with Q orthonormalised, then
+P P^T M), so one all-reduce per step instead of two dependent ones, and half the bytes.
 """
 
 import tensorflow as tf
@@ -24,23 +30,34 @@ def matrix_shape(shape):
 
 
 class PowerSGD(Codec):
-    """Rank-``rank`` gradient compression with a warm-started Q (two all-reduces per step).
+    """Rank-``rank`` gradient compression with a warm-started Q (two all-reduces per step, one with ``alternate``).
 
     Use it with error feedback (the default of `tfdp.CompressedStrategy`) and a few dense
-    warm-up steps. The bytes per matrix are ``(n + m) * rank * 4``.
+    warm-up steps. The bytes per matrix are ``(n + m) * rank * 4``. With ``alternate=True``
+    a step sends P (``n * rank * 4`` bytes) or Q (``m * rank * 4``) in one all-reduce, by
+    the step's parity (see the module docstring).
 
     Example:
-        >>> strategy = tfdp.CompressedStrategy({"name": "powersgd", "rank": 4}, warmup_steps=50)
+        >>> strategy = tfdp.CompressedStrategy({"name": "powersgd", "rank": 4, "alternate": True},
+        ...                                    warmup_steps=50)
     """
 
     name = "powersgd"
     summable = True
 
-    def __init__(self, rank=4, seed=0):
+    def __init__(self, rank=4, seed=0, alternate=False):
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ValueError(f"`rank` must be an integer >= 1. Received: rank={rank!r}")
+        if not isinstance(alternate, bool):
+            raise ValueError(f"`alternate` must be True or False. Received: alternate={alternate!r}")
         self.rank = rank
         self.seed = int(seed)
+        self.alternate = alternate
+
+    @property
+    def rounds(self):
+        """Dependent collectives per step."""
+        return 1 if self.alternate else 2
 
     def compresses(self, shape):
         """True if a tensor of `shape` goes as P and Q (fewer bytes than dense)."""
@@ -48,11 +65,12 @@ class PowerSGD(Codec):
         return dims is not None and (dims[0] + dims[1]) * self.rank < dims[0] * dims[1]
 
     def payload_bytes(self, shape):
-        """Bytes this codec hands to collectives for one tensor of `shape`, per step."""
+        """Bytes this codec hands to collectives for one tensor of `shape`, per step (with
+        ``alternate``, the mean of a P step and a Q step)."""
         if not self.compresses(shape):
             return 4 * int(tf.TensorShape(shape).num_elements())
         n, m = matrix_shape(shape)
-        return 4 * (n + m) * self.rank
+        return 4 * (n + m) * self.rank // (2 if self.alternate else 1)
 
     def _warm_q(self, state, key, position, m):
         # Seeded by position, not by name: every rank starts from the same Q even when
@@ -61,6 +79,11 @@ class PowerSGD(Codec):
         return state.variable(f"{key}/powersgd_q",
                               lambda: tf.random.stateless_normal([m, self.rank], seed=seed))
 
+    def _warm_p(self, state, key, position, n):
+        seed = [self.seed + 1, position]
+        return state.variable(f"{key}/powersgd_p",
+                              lambda: tf.random.stateless_normal([n, self.rank], seed=seed))
+
     def exchange(self, tensors, keys, step, communicator, state=None, plain=()):
         if state is None:
             raise ValueError("PowerSGD keeps Q between steps: pass the reducer's `state`.")
@@ -68,10 +91,13 @@ class PowerSGD(Codec):
         dense = [i for i in range(len(tensors)) if i not in chosen]
         matrices = [tf.reshape(tf.cast(tensors[i], tf.float32), matrix_shape(tensors[i].shape)) for i in chosen]
         qs = [self._warm_q(state, keys[i], j, m.shape[1]) for j, (i, m) in enumerate(zip(chosen, matrices))]
+        riding = [tensors[i] for i in dense] + list(plain)
+        if self.alternate:
+            ps = [self._warm_p(state, keys[i], j, m.shape[0]) for j, (i, m) in enumerate(zip(chosen, matrices))]
+            return self._exchange_one_factor(tensors, chosen, dense, matrices, ps, qs, riding, step, communicator)
 
         # Round 1: P = M Q, summed; dense and plain tensors ride along in the same collective.
         ps = [tf.matmul(m, q) for m, q in zip(matrices, qs)]
-        riding = [tensors[i] for i in dense] + list(plain)
         round1 = communicator.allreduce(ps + riding, op="sum", gradients=True)
         ps = [tf.linalg.qr(p).q for p in round1[: len(ps)]]
         # Round 2: Q = M^T P_orth, summed. Sum over workers of P_orth Q_w^T is P_orth Q^T.
@@ -87,3 +113,34 @@ class PowerSGD(Codec):
         for j, i in enumerate(dense):
             summed[i] = round1[len(ps) + j]
         return summed + round1[len(ps) + len(dense):], sent
+
+    def _exchange_one_factor(self, tensors, chosen, dense, matrices, ps, qs, riding, step, communicator):
+        """`exchange` with ``alternate``: one all-reduce, of P (even steps) or of Q (odd)."""
+
+        def project(factors, kept, on_the_right):
+            # Every rank orthonormalises the same agreed factor, so the subspace is shared and
+            # the sum over workers of their projections is the projection of the sum.
+            bases = [tf.linalg.qr(f).q for f in factors]
+            local = [tf.matmul(m, b, transpose_a=not on_the_right) for m, b in zip(matrices, bases)]
+            reduced = communicator.allreduce(local + riding, op="sum", gradients=True)
+            agreed = reduced[: len(local)]
+            for variable, value in zip(kept, agreed):
+                variable.assign(value)
+
+            def approximation(basis, factor):
+                if on_the_right:  # M Q Q^T: factor = M Q
+                    return tf.matmul(factor, basis, transpose_b=True)
+                return tf.matmul(basis, factor, transpose_b=True)  # P P^T M: factor = M^T P
+
+            summed, sent = list(tensors), list(tensors)
+            for j, i in enumerate(chosen):
+                shape, dtype = tensors[i].shape, tensors[i].dtype
+                summed[i] = tf.cast(tf.reshape(approximation(bases[j], agreed[j]), shape), dtype)
+                sent[i] = tf.cast(tf.reshape(approximation(bases[j], local[j]), shape), dtype)
+            for j, i in enumerate(dense):
+                summed[i] = reduced[len(local) + j]
+            return summed + reduced[len(local) + len(dense):], sent
+
+        return tf.cond(tf.equal(tf.math.floormod(tf.cast(step, tf.int64), 2), 0),
+                       lambda: project(qs, ps, on_the_right=True),
+                       lambda: project(ps, qs, on_the_right=False))

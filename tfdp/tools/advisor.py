@@ -91,7 +91,7 @@ def exchange(preset_options, kind, shapes, workers=2):
     large = [s for s in shapes if 4 * _numel(s) >= limit]
     compressed = sum(codec.payload_bytes(s) for s in large)
     travel = codec.travels_by(workers)
-    rounds = 2 if codec.name == "powersgd" else 1
+    rounds = codec.rounds
     if not large:
         return [(small, "allreduce")], 1
     # The small tensors ride in the codec's collective where they can, as in `CompressedGradients`.
