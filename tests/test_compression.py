@@ -206,7 +206,7 @@ def test_powersgd_is_exact_on_a_matrix_of_its_rank_and_warm_starts():
     low_rank = tf.constant((rng.normal(size=(64, 2)) @ rng.normal(size=(2, 48))).astype("float32"))
     bias = tf.constant(rng.normal(size=48).astype("float32"))
     codec, state = PowerSGD(rank=2), ReducerState(one_worker_communicator())
-    q0 = codec._warm_q(state, "w", 0, 48).numpy()
+    q0 = codec._warm_factor(state, "w", "q", 0, 48).numpy()
     summed, sent = codec.exchange([low_rank, bias], ["w", "b"], 0, state.communicator, state)
     np.testing.assert_allclose(summed[0].numpy(), low_rank.numpy(), atol=1e-4)
     np.testing.assert_array_equal(summed[1].numpy(), bias.numpy())  # Vectors go dense.

@@ -72,17 +72,13 @@ class PowerSGD(Codec):
         n, m = matrix_shape(shape)
         return 4 * (n + m) * self.rank // (2 if self.alternate else 1)
 
-    def _warm_q(self, state, key, position, m):
-        # Seeded by position, not by name: every rank starts from the same Q even when
+    def _warm_factor(self, state, key, factor, position, rows):
+        """The kept factor ``"q"`` (or, alternating, ``"p"``) of the matrix at `position`."""
+        # Seeded by position, not by name: every rank starts from the same factor even when
         # its variable names differ.
-        seed = [self.seed, position]
-        return state.variable(f"{key}/powersgd_q",
-                              lambda: tf.random.stateless_normal([m, self.rank], seed=seed))
-
-    def _warm_p(self, state, key, position, n):
-        seed = [self.seed + 1, position]
-        return state.variable(f"{key}/powersgd_p",
-                              lambda: tf.random.stateless_normal([n, self.rank], seed=seed))
+        seed = [self.seed + (factor == "p"), position]
+        return state.variable(f"{key}/powersgd_{factor}",
+                              lambda: tf.random.stateless_normal([rows, self.rank], seed=seed))
 
     def exchange(self, tensors, keys, step, communicator, state=None, plain=()):
         if state is None:
@@ -90,10 +86,10 @@ class PowerSGD(Codec):
         chosen = [i for i, t in enumerate(tensors) if self.compresses(t.shape)]
         dense = [i for i in range(len(tensors)) if i not in chosen]
         matrices = [tf.reshape(tf.cast(tensors[i], tf.float32), matrix_shape(tensors[i].shape)) for i in chosen]
-        qs = [self._warm_q(state, keys[i], j, m.shape[1]) for j, (i, m) in enumerate(zip(chosen, matrices))]
+        qs = [self._warm_factor(state, keys[i], "q", j, m.shape[1]) for j, (i, m) in enumerate(zip(chosen, matrices))]
         riding = [tensors[i] for i in dense] + list(plain)
         if self.alternate:
-            ps = [self._warm_p(state, keys[i], j, m.shape[0]) for j, (i, m) in enumerate(zip(chosen, matrices))]
+            ps = [self._warm_factor(state, keys[i], "p", j, m.shape[0]) for j, (i, m) in enumerate(zip(chosen, matrices))]
             return self._exchange_one_factor(tensors, chosen, dense, matrices, ps, qs, riding, step, communicator)
 
         # Round 1: P = M Q, summed; dense and plain tensors ride along in the same collective.
