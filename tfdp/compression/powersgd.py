@@ -100,15 +100,11 @@ class PowerSGD(Codec):
         local_qs = [tf.matmul(m, p, transpose_a=True) for m, p in zip(matrices, ps)]
         summed_qs = communicator.allreduce(local_qs, op="sum", gradients=True)
 
-        summed, sent = list(tensors), list(tensors)
-        for j, i in enumerate(chosen):
-            shape, dtype = tensors[i].shape, tensors[i].dtype
-            summed[i] = tf.cast(tf.reshape(tf.matmul(ps[j], summed_qs[j], transpose_b=True), shape), dtype)
-            sent[i] = tf.cast(tf.reshape(tf.matmul(ps[j], local_qs[j], transpose_b=True), shape), dtype)
-            qs[j].assign(summed_qs[j])
-        for j, i in enumerate(dense):
-            summed[i] = round1[len(ps) + j]
-        return summed + round1[len(ps) + len(dense):], sent
+        for q, value in zip(qs, summed_qs):
+            q.assign(value)
+        return _assembled(tensors, chosen, dense,
+                          [tf.matmul(p, q, transpose_b=True) for p, q in zip(ps, summed_qs)],
+                          [tf.matmul(p, q, transpose_b=True) for p, q in zip(ps, local_qs)], round1[len(ps):])
 
     def _exchange_one_factor(self, tensors, chosen, dense, matrices, ps, qs, riding, step, communicator):
         """`exchange` with ``alternate``: one all-reduce, of P (even steps) or of Q (odd)."""
@@ -128,15 +124,22 @@ class PowerSGD(Codec):
                     return tf.matmul(factor, basis, transpose_b=True)
                 return tf.matmul(basis, factor, transpose_b=True)  # P P^T M: factor = M^T P
 
-            summed, sent = list(tensors), list(tensors)
-            for j, i in enumerate(chosen):
-                shape, dtype = tensors[i].shape, tensors[i].dtype
-                summed[i] = tf.cast(tf.reshape(approximation(bases[j], agreed[j]), shape), dtype)
-                sent[i] = tf.cast(tf.reshape(approximation(bases[j], local[j]), shape), dtype)
-            for j, i in enumerate(dense):
-                summed[i] = reduced[len(local) + j]
-            return summed + reduced[len(local) + len(dense):], sent
+            return _assembled(tensors, chosen, dense, [approximation(b, f) for b, f in zip(bases, agreed)],
+                              [approximation(b, f) for b, f in zip(bases, local)], reduced[len(local):])
 
         return tf.cond(tf.equal(tf.math.floormod(tf.cast(step, tf.int64), 2), 0),
                        lambda: project(qs, ps, on_the_right=True),
                        lambda: project(ps, qs, on_the_right=False))
+
+
+def _assembled(tensors, chosen, dense, summed_matrices, sent_matrices, riding_summed):
+    """`exchange`'s result: the approximations of the `chosen` tensors (summed and this worker's),
+    shaped back, then the sums of what rode along: the `dense` tensors, then the plain ones."""
+    summed, sent = list(tensors), list(tensors)
+    for j, i in enumerate(chosen):
+        shape, dtype = tensors[i].shape, tensors[i].dtype
+        summed[i] = tf.cast(tf.reshape(summed_matrices[j], shape), dtype)
+        sent[i] = tf.cast(tf.reshape(sent_matrices[j], shape), dtype)
+    for j, i in enumerate(dense):
+        summed[i] = riding_summed[j]
+    return summed + list(riding_summed[len(dense):]), sent
