@@ -10,7 +10,8 @@ MATRIX = [(1000, 1000)]  # 4,000,000 bytes as float32
 B = 1e6  # bytes/s
 R = 4  # each rank's row count, one float32 all-reduced with the gradients (not under error feedback)
 R2 = 8  # sync: the row count and its square (equal rows are not weighted)
-G = advisor.ALLGATHER_SLOWDOWN  # an all-gather's time per second of its bytes on the wire
+def G(payload):  # an all-gather's time per second of its bytes on the wire, by its size
+    return advisor.allgather_slowdown(payload, B)
 
 
 def test_ring_bytes_per_worker():
@@ -27,9 +28,9 @@ def test_ring_bytes_per_worker():
     [
         ("sync", 0.5 + 4.0 + R2 / B),                              # C + M
         ("fp16", 0.5 + 2.0),                                       # 2 bytes per entry
-        ("qsgd", 0.5 + G * (4 + 1e6 + R) / B),                     # norm + int8 levels + row count, one gather
-        ("topk-1pct", 0.5 + G * (8 * 10_000) / B),                 # value + index, all-gathered once (P=2)
-        ("efsign", 0.5 + G * (125_000 + 4 * math.ceil(1e6 / 256)) / B),
+        ("qsgd", 0.5 + G(4 + 1e6 + R) * (4 + 1e6 + R) / B),       # norm + int8 levels + row count, one gather
+        ("topk-1pct", 0.5 + G(8 * 10_000) * (8 * 10_000) / B),    # value + index, all-gathered once (P=2)
+        ("efsign", 0.5 + G(140_628) * (125_000 + 4 * math.ceil(1e6 / 256)) / B),
         ("powersgd-r4", 0.5 + ((1000 + 1000) * 4 * 4 / 2) / B),   # P or Q, alternating: half on average
         ("async-s1", max(0.5, 4.0 + R / B)),                       # overlap
         ("local-sgd-h16", 0.5 + (4.0 + R / B) / 16),               # one exchange per 16 steps
@@ -40,11 +41,20 @@ def test_predicted_step_time(preset, seconds):
     assert row.seconds_per_step == pytest.approx(seconds, rel=1e-12)
 
 
-def test_all_gather_slowdown_counts_in_time_not_in_bytes():
-    row = advisor.predict("topk-1pct", MATRIX, workers=2, bandwidth_bytes=B, compute_seconds=0.5, latency_seconds=0)
-    assert G == 2.0
-    assert row.bytes_sent == 80_000  # what travels
-    assert row.communication_seconds == pytest.approx(2 * 80_000 / B)  # what it costs on Gloo
+def test_all_gather_slowdown_grows_with_its_size_and_counts_in_time_not_in_bytes():
+    # Measured on 2 emulated hosts at 100 Mbit/s: 1.05x the wire time at 0.1 MB per worker, 1.63x at
+    # 0.5, 2.02x at 4; at 1000 Mbit/s 1.03x at 2 MB, 1.55x at 4 (the overlap grows with the link).
+    at_100 = [advisor.allgather_slowdown(b, 12.5e6) for b in (1e5, 1.875e5, 5e5, 4e6)]
+    assert at_100 == pytest.approx([1.0, 1.0, 1.625, 1.953125])
+    assert [advisor.allgather_slowdown(b, 125e6) for b in (2e6, 4e6)] == pytest.approx([1.0625, 1.53125])
+    assert G(0) == 1.0
+    small = advisor.predict("topk-1pct", MATRIX, workers=2, bandwidth_bytes=B, compute_seconds=0.5, latency_seconds=0)
+    assert small.bytes_sent == 80_000  # what travels
+    assert small.communication_seconds == pytest.approx(80_000 / B)  # below 0.13 MB: the wire's time
+    large = advisor.predict("topk-1pct", [(10_000, 1000)], workers=2, bandwidth_bytes=B, compute_seconds=0.5,
+                            latency_seconds=0)
+    assert large.bytes_sent == 800_000
+    assert large.communication_seconds == pytest.approx((2 - 0.13 / 0.8) * 800_000 / B)  # what it costs on Gloo
 
 
 def test_latency_counts_each_collective():

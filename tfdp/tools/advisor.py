@@ -4,10 +4,14 @@ Cost model (steady state, P workers, link bandwidth B bytes/s, latency a per col
 
 - ring all-reduce of b bytes: each worker sends 2 (P - 1) / P x b;
 - ring all-gather of b bytes per worker: each worker sends (P - 1) x b;
-- communication time M = bytes sent / B + a x collectives, where an all-gather's bytes count
-  `ALLGATHER_SLOWDOWN` times: Horovod's Gloo all-gather takes about twice its ring wire time
-  (`benchmarks/collectives_on_link.py`: 2 MB per worker, 2 hosts at 100 Mbit/s, 317 ms against
-  167-176 ms for a reduce-scatter of the same bytes); the workers are on separate hosts;
+- communication time M = bytes sent / B + a x collectives, where an all-gather of b bytes per
+  worker counts its bytes `allgather_slowdown(b, B)` times: Horovod's Gloo all-gather moves its
+  first S bytes at the wire's rate and the rest at half of it, S = max(0.13 MB, B x 15 ms) (as if
+  what fits in the receiver's TCP window went both ways at once: 131,072 bytes by default here,
+  grown by autotuning on faster links). Measured on 2 hosts (`benchmarks/collectives_on_link.py
+  --sizes-mb`; all-gather time over ring wire time): 10 Mbit/s 1.06x at 0.1 MB, 1.45x at 0.2,
+  1.77x at 0.4; 100 Mbit/s 1.05x at 0.1 MB, 1.63x at 0.5, 2.02x at 4; 1000 Mbit/s 1.03x at
+  2 MB, 1.55x at 4 (an all-reduce 1.04-1.15x from 0.25 MB up). The workers are on separate hosts;
 - synchronous and compressed presets: C + M; bounded staleness s >= 1: max(C, M);
   local SGD every H steps: C + M / H.
 - workers of different speeds (relative speeds v_r, 1 = the worker C was measured on):
@@ -39,8 +43,10 @@ ROW_COUNT_BYTES = 4
 #: Seconds per collective when nothing was measured (`tfdp bench` and `auto` measure it: 1-4 ms for
 #: an all-reduce of 4 bytes between emulated hosts here, Horovod's negotiation included).
 DEFAULT_LATENCY_SECONDS = 1e-4
-#: Seconds an all-gather takes per second its bytes need on the wire (measured, see above).
-ALLGATHER_SLOWDOWN = 2.0
+#: What of an all-gather moves at the wire's rate, per worker: at least these bytes, and at least
+#: `ALLGATHER_OVERLAP_SECONDS` of the link's bytes; the rest takes twice as long (see above).
+ALLGATHER_OVERLAP_BYTES = 1.3e5
+ALLGATHER_OVERLAP_SECONDS = 0.015
 #: Sync's all-reduce sends each rank's row count and its square (equal rows need no weighting).
 EVEN_ROWS_BYTES = 8
 
@@ -70,6 +76,18 @@ def ring_bytes(payload, workers, kind):
     if kind == "allgather":
         return float((workers - 1) * payload)
     raise ValueError(f"`kind` must be 'allreduce' or 'allgather'. Received: kind={kind!r}")
+
+
+def allgather_slowdown(payload, bandwidth_bytes):
+    """Seconds an all-gather of `payload` bytes per worker takes per second its bytes need on a link
+    of `bandwidth_bytes` bytes/s: 1 up to the overlap (see the module docstring), approaching 2 above.
+
+    Example:
+        >>> allgather_slowdown(1e5, 12.5e6), allgather_slowdown(3.75e5, 12.5e6), allgather_slowdown(4e6, 125e6)
+        (1.0, 1.5, 1.53125)
+    """
+    overlap = max(ALLGATHER_OVERLAP_BYTES, ALLGATHER_OVERLAP_SECONDS * bandwidth_bytes)
+    return 2.0 - min(1.0, overlap / payload) if payload > 0 else 1.0
 
 
 def exchange(preset_options, kind, shapes, workers=2):
@@ -122,9 +140,11 @@ def predict(preset, shapes, workers, bandwidth_bytes, compute_seconds, latency_s
         compute_seconds += compressor_seconds
     payloads, collectives = exchange(options, kind, shapes, workers)
     sent = sum(ring_bytes(b, workers, how) for b, how in payloads)
-    # The bytes' time on the link: an all-gather's count `ALLGATHER_SLOWDOWN` times.
-    timed_bytes = sum(ring_bytes(b, workers, how) * (ALLGATHER_SLOWDOWN if how == "allgather" else 1.0)
-                      for b, how in payloads)
+    # The bytes' time on the link: an all-gather's count `allgather_slowdown` times, by the size of
+    # the one all-gather that carries them all (what rides with a payload travels in its collective).
+    gathered = sum(b for b, how in payloads if how == "allgather")
+    slowdown = {"allgather": allgather_slowdown(gathered, bandwidth_bytes), "allreduce": 1.0}
+    timed_bytes = sum(ring_bytes(b, workers, how) * slowdown[how] for b, how in payloads)
     payload = sum(b for b, _ in payloads)
     comm = timed_bytes / bandwidth_bytes + (latency_seconds * collectives if workers > 1 else 0.0)
     every = options.get("sync_every") if kind == "async" else None

@@ -2,14 +2,16 @@
 
 Every preset runs in its own job of `workers` workers (`tfdp.tools.launcher`), plus one job of a
 single worker with no communication: its time per step is the compute time C, the
-baseline for scaling efficiency and the advisor's input. For each preset the report gives
+baseline for scaling efficiency. For each preset the report gives
 median time per step and its spread, samples/s, speed-up over sync, scaling efficiency
 (samples/s over `workers` x the single worker's), tfdp's payload bytes per step, the bytes
 that crossed the link per step (emulated hosts) and, given a link rate, the advisor's
-prediction (with the compressed presets' compression compute, timed by the single worker on the
-model's shapes: `tfdp.tools.codec_timing`) and the measured/predicted ratio. Writes ``bench.json``, ``bench.md`` and
-``bench.png`` to `out_dir`, and ``bench-shares.png`` (each worker's share over the steps) when a
-preset balances shares.
+prediction and the measured/predicted ratio. The advisor's compute (C and the compressed presets'
+compression, timed on the model's shapes: `tfdp.tools.codec_timing`) is what a worker gets in
+the job: on emulated hosts that share this machine's CPUs, `workers` copies of the single-worker
+job run side by side (`tfdp.tools.side_by_side`); with `pin_cpus`, the single worker on one CPU.
+Writes ``bench.json``, ``bench.md`` and ``bench.png`` to `out_dir`, and ``bench-shares.png`` (each
+worker's share over the steps) when a preset balances shares.
 
 Example (as root, for emulated hosts):
     >>> rows = run_bench(["sync", "topk-1pct"], workers=2, rate_mbit=100, params=6e6, out_dir="/tmp/b")
@@ -18,6 +20,7 @@ Example (as root, for emulated hosts):
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +31,7 @@ from tfdp.tools.launcher import launch
 from tfdp.tools.slowdown import SLOWDOWN_ENV, parse_slowdown, remove_groups
 
 SINGLE_WORKER = "1 worker (compute only)"
+SIDE_BY_SIDE = "1-worker jobs side by side (compute only)"
 
 
 def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads, timeout, log,
@@ -56,6 +60,22 @@ def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup
             raise RuntimeError(f"bench job {preset!r} on {workers} worker(s) failed "
                                f"(exit {result.returncode}):\n{tail}")
         return json.loads(out.read_text())
+
+
+def _side_by_side(copies, *job_args, extra=()):
+    """`copies` single-worker jobs at once, their timed phases started together; the medians over
+    the copies of their compute and compression times."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with tempfile.TemporaryDirectory() as meeting, ThreadPoolExecutor(copies) as pool:
+        flags = [*extra, "--side-by-side", meeting, str(copies)]
+        results = list(pool.map(lambda _: _job("sync", 1, None, *job_args, extra=flags), range(copies)))
+    combined = dict(results[0], copies=copies)
+    for key in ("median_seconds", "forward_seconds"):
+        combined[key] = statistics.median(r[key] for r in results)
+    combined["compressor_seconds"] = {name: statistics.median(r["compressor_seconds"][name] for r in results)
+                                      for name in results[0].get("compressor_seconds", {})}
+    return combined
 
 
 def _spread(seconds):
@@ -87,7 +107,11 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
         raise ValueError(f"`workers` must be >= 2 to compare strategies. Received: {workers}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(SINGLE_WORKER, "sync", 1)] + [(name, name, workers) for name in preset_names]
+    # The advisor's compute is a worker's in the job: where the workers share this machine's CPUs
+    # (emulated hosts, not pinned), copies of the single worker side by side measure it.
+    advised_by = SIDE_BY_SIDE if rate_mbit is not None and not pin_cpus else SINGLE_WORKER
+    jobs = ([(SINGLE_WORKER, "sync", 1)] + ([(SIDE_BY_SIDE, "sync", workers)] if advised_by == SIDE_BY_SIDE else [])
+            + [(name, name, workers) for name in preset_names])
     raw = {}
     with open(out_dir / "bench.log", "w") as log, tqdm(jobs, desc="tfdp bench", unit="job",
                                                         disable=not progress) as bar:
@@ -95,18 +119,22 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             bar.set_postfix_str(f"{label} on {n}")
             digits_options = (["--target-accuracy", str(target_accuracy), "--epochs", str(epochs)]
                               if workload == "digits" else [])
-            # The single worker also times the compressed presets' compression on the model's shapes,
-            # with the workers' threads: the advisor's prediction adds it.
+            # The advisor's baseline also times the compressed presets' compression on the model's
+            # shapes, with the workers' threads: the advisor's prediction adds it.
             timed = [p for p in preset_names if presets.load_variant(p)["strategy"] == "compressed"]
             if any(presets.load_variant(p)["strategy"] == "auto" for p in preset_names):
                 from tfdp.auto import default_candidates
 
                 timed += [c for c in default_candidates() if c != "sync" and c not in timed]
-            timing = (["--time-compressors", *timed]
-                      if label == SINGLE_WORKER and rate_mbit is not None else [])
-            raw[label] = _job(preset, n, rate_mbit, workload, params, batch_size, steps, warmup_steps, threads,
-                              timeout, log, digits_options, slowdown, optimizer, timing, pin_cpus)
+            timing = ["--time-compressors", *timed] if label == advised_by and rate_mbit is not None else []
+            job_args = (workload, params, batch_size, steps, warmup_steps, threads, timeout, log, digits_options,
+                        slowdown, optimizer)
+            if label == SIDE_BY_SIDE:
+                raw[label] = _side_by_side(n, *job_args, extra=timing)
+            else:
+                raw[label] = _job(preset, n, rate_mbit, *job_args, timing, pin_cpus)
     single = raw.pop(SINGLE_WORKER)
+    advised = raw.pop(SIDE_BY_SIDE, single)
     compute = single["median_seconds"]
     shapes = [tuple(s) for s in single["shapes"]]
     rows = []
@@ -136,8 +164,10 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             # round trip: 1-4 ms here, not the advisor's default of 0.1 ms).
             latency = r.get("latency_seconds") or advisor.DEFAULT_LATENCY_SECONDS
             row["latency_ms"] = 1000 * latency
-            predicted = advisor.predict(ran, shapes, workers, rate_mbit * 1e6 / 8, compute, latency_seconds=latency,
-                                        compressor_seconds=single.get("compressor_seconds", {}).get(ran, 0.0))
+            predicted = advisor.predict(ran, shapes, workers, rate_mbit * 1e6 / 8, advised["median_seconds"],
+                                        latency_seconds=latency,
+                                        compressor_seconds=advised.get("compressor_seconds", {}).get(ran, 0.0))
+            row["advisor_compute_ms"] = 1000 * advised["median_seconds"]
             row["predicted_ms"] = 1000 * predicted.seconds_per_step
             row["measured_over_predicted"] = row["median_ms"] / row["predicted_ms"]
         if r["link_bytes_per_step"] is not None and r["payload_bytes_per_step"]:
@@ -147,12 +177,15 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
         for row in rows:
             row["speedup_vs_sync"] = 1000 * raw["sync"]["median_seconds"] / row["median_ms"]
     summary = {"slowdown": slowdown, "pin_cpus": pin_cpus, "single_worker_ms": 1000 * compute,
+               "side_by_side_ms": 1000 * advised["median_seconds"] if advised is not single else None,
                "single_worker_forward_ms": 1000 * single["forward_seconds"] if single.get("forward_seconds") else None,
                "single_worker_samples_per_second": batch_size / compute,
-               "rows": rows, "raw": raw, "single_worker": single}
+               "rows": rows, "raw": raw, "single_worker": single,
+               "side_by_side": advised if advised is not single else None}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=1))
     (out_dir / "bench.md").write_text(markdown_table(rows, compute, workers, rate_mbit, slowdown,
-                                                     single.get("forward_seconds"), pin_cpus))
+                                                     single.get("forward_seconds"), pin_cpus,
+                                                     summary["side_by_side_ms"] and summary["side_by_side_ms"] / 1000))
     chart(rows, out_dir / "bench.png", workers, rate_mbit)
     if any(r.get("share_history") for r in rows):
         shares_chart(rows, out_dir / "bench-shares.png", slowdown)
@@ -179,7 +212,8 @@ def _fmt(value, spec, missing="–"):
     return missing if value is None else format(value, spec)
 
 
-def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None, forward_seconds=None, pin_cpus=False):
+def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None, forward_seconds=None, pin_cpus=False,
+                   side_by_side_seconds=None):
     link = f"{rate_mbit:g} Mbit/s emulated hosts" if rate_mbit else "loopback"
     link += ", one CPU per worker" if pin_cpus else ""
     slowdown_note = f", slowdown {slowdown} (rank:factor, CPU quota)" if slowdown else ""
@@ -190,6 +224,8 @@ def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None, for
         f"batch {first['batch_size_per_worker']} per worker; one worker alone: {1000 * compute_seconds:.1f} ms/step"
         + (f" (forward and loss {1000 * forward_seconds:.1f} ms: backprop and update "
            f"{1 - forward_seconds / compute_seconds:.0%})" if forward_seconds else "")
+        + (f"; {workers} such workers side by side on this machine's CPUs (the advisor's compute): "
+           f"{1000 * side_by_side_seconds:.1f} ms/step" if side_by_side_seconds else "")
         + (f"; an all-reduce of 4 bytes (the advisor's latency per collective): {latencies} ms" if latencies else "")
         + ".",
         "",

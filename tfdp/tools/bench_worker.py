@@ -22,17 +22,22 @@ import keras  # noqa: E402
 
 import tfdp  # noqa: E402
 from tfdp.tools import workloads  # noqa: E402
+from tfdp.tools.side_by_side import Rendezvous, alone  # noqa: E402
 from tfdp.tools.slowdown import apply_from_env  # noqa: E402
 
 WORKLOADS = ("mlp", "cnn", "digits")
 
 
 class StepProbe(keras.callbacks.Callback):
-    """Wall time, tfdp payload bytes and link bytes at the end of every batch."""
+    """Wall time, tfdp payload bytes and link bytes at the end of every batch; `meet` (a
+    `tfdp.tools.side_by_side.Rendezvous`) is called before the first timed step, after
+    `warmup_steps`."""
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, warmup_steps=0, meet=alone):
         super().__init__()
         self.strategy = strategy
+        self.warmup_steps = warmup_steps
+        self.meet = meet
         iface = os.environ.get("HOROVOD_GLOO_IFACE", "lo")
         # Loopback carries every worker's traffic: only an emulated host's link is its own.
         self.link_file = None if iface == "lo" else f"/sys/class/net/{iface}/statistics/tx_bytes"
@@ -54,13 +59,15 @@ class StepProbe(keras.callbacks.Callback):
             self._mark()
 
     def on_train_batch_end(self, batch, logs=None):
+        if len(self.marks) == self.warmup_steps:  # this mark starts the timed steps
+            self.meet("timed steps")
         self._mark()
 
 
 OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(1e-3), "adam": lambda: keras.optimizers.Adam(1e-4)}
 
 
-def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe, optimizer="sgd"):
+def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe, optimizer="sgd", meet=alone):
     with strategy.scope():
         model = workloads.SYNTHETIC[workload](params)
         model.compile(optimizer=OPTIMIZERS[optimizer](), jit_compile=False,
@@ -69,10 +76,10 @@ def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe,
     global_batch = batch_size * strategy.num_replicas_in_sync
     x, y = workloads.synthetic_data(model, total_steps * global_batch)
     model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[probe])
-    return model, {"forward_seconds": forward_seconds(model, x[:batch_size], y[:batch_size])}
+    return model, {"forward_seconds": forward_seconds(model, x[:batch_size], y[:batch_size], meet=meet)}
 
 
-def forward_seconds(model, x, y, repeats=10):
+def forward_seconds(model, x, y, repeats=10, meet=alone):
     """Median seconds of the forward pass and loss on one worker's batch, traced as `fit` traces
     its step: what a step computes before backprop, so the rest of C is backprop and update."""
     import tensorflow as tf
@@ -82,6 +89,7 @@ def forward_seconds(model, x, y, repeats=10):
         return model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
 
     forward(x, y)
+    meet("forward")
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -128,12 +136,13 @@ def _collective_latency(strategy, repeats=9):
 
 
 def run(preset, workload, params, batch_size, steps, warmup_steps, target_accuracy=0.95, epochs=20,
-        optimizer="sgd"):
+        optimizer="sgd", meet=alone):
     """Train `workload` with preset `preset`; return the timing summary (a dict).
 
     Synthetic workloads time `steps` steps after `warmup_steps`; digits trains `epochs`
     epochs, times every step after `warmup_steps` and records when the test accuracy first
-    reaches `target_accuracy`.
+    reaches `target_accuracy`. `meet` starts the timed phases together with copies of this job
+    run side by side (`tfdp.tools.side_by_side`).
     """
     slowdown = apply_from_env()  # before any work: the whole process computes FACTOR times slower
     strategy = tfdp.strategy(preset)
@@ -141,12 +150,12 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
     warmup_steps += (strategy.settling_steps() if isinstance(strategy, tfdp.AutoStrategy)
                      else tfdp.presets.load_variant(preset)["options"].get("warmup_steps", 0))
     keras.utils.set_random_seed(0)
-    probe = StepProbe(strategy)
+    probe = StepProbe(strategy, warmup_steps, meet)
     if workload == "digits":
         model, extra = _train_digits(strategy, batch_size, probe, target_accuracy, epochs)
     else:
         model, extra = _train_synthetic(strategy, workload, params, batch_size, warmup_steps + steps, probe,
-                                        optimizer)
+                                        optimizer, meet)
     latency = _collective_latency(strategy)
     timed = probe.marks[warmup_steps:]
     steps = len(timed) - 1
@@ -187,15 +196,21 @@ def main(argv=None):
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--time-compressors", nargs="*", default=[],
                         help="after training, time these compressed presets' compression on the model's shapes")
+    parser.add_argument("--side-by-side", nargs=2, metavar=("DIR", "COPIES"),
+                        help="this job is one of COPIES run at once: start each timed phase with the others "
+                             "(they meet through files in DIR)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    meet = alone if args.side_by_side is None else Rendezvous(args.side_by_side[0], int(args.side_by_side[1]))
     result = run(args.preset, args.workload, int(args.params), args.batch_size, args.steps, args.warmup_steps,
-                 args.target_accuracy, args.epochs, args.optimizer)
+                 args.target_accuracy, args.epochs, args.optimizer, meet)
     if args.time_compressors:
         from tfdp.tools.codec_timing import compressor_seconds
 
-        result["compressor_seconds"] = {name: compressor_seconds(name, [tuple(s) for s in result["shapes"]])
-                                        for name in args.time_compressors}
+        result["compressor_seconds"] = {
+            name: compressor_seconds(name, [tuple(s) for s in result["shapes"]],
+                                     ready=lambda name=name: meet(f"compressor {name}"))
+            for name in args.time_compressors}
     if int(os.environ.get("HOROVOD_RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -31,12 +31,13 @@ def preset_reducer(preset, communicator):
     return reducer_factory(preset, warmup=False)(communicator)
 
 
-def compressor_seconds(preset, shapes, repeats=5, seed=0):
+def compressor_seconds(preset, shapes, repeats=5, seed=0, ready=None):
     """Median seconds one step of `preset`'s compression takes on gradients of `shapes`
-    (0.0 for presets that do not compress). Runs on this process's TensorFlow threads."""
+    (0.0 for presets that do not compress). Runs on this process's TensorFlow threads;
+    `ready` (if given) is called after tracing, right before the timed steps."""
     if presets.load_variant(preset)["strategy"] != "compressed":
         return 0.0
-    seconds = _timed_steps(preset, shapes, repeats, seed)
+    seconds = _timed_steps(preset, shapes, repeats, seed, ready)
     # A traced tf.function sits in reference cycles with what it captured; without a collection
     # here the advisor holds every timed preset's residuals and weights at once (on a 6 M
     # parameter model, 180 MB more peak memory over the six candidates).
@@ -44,7 +45,7 @@ def compressor_seconds(preset, shapes, repeats=5, seed=0):
     return statistics.median(seconds)
 
 
-def _timed_steps(preset, shapes, repeats, seed):
+def _timed_steps(preset, shapes, repeats, seed, ready=None):
     """Seconds of each of `repeats` steps of `preset`'s reducer, after one that traces."""
     communicator = fake_group(1)[0]
     reducer = preset_reducer(preset, communicator)
@@ -64,6 +65,8 @@ def _timed_steps(preset, shapes, repeats, seed):
         return [tf.reduce_sum(v) for v in variables]
 
     step()  # trace
+    if ready is not None:
+        ready()
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
