@@ -42,6 +42,7 @@ def test_loopback_bench_writes_json_markdown_and_chart(tmp_path):
     assert report["raw"]["sync"]["gradient_bytes_per_step"] == dense + 8
     assert 0 < sync["payload_bytes_per_step"] - dense <= 64
     assert topk["payload_bytes_per_step"] < dense / 20
+    assert report["side_by_side"] is None  # no link rate, no advisor: no side-by-side baseline
     assert sync["link_bytes_per_step"] is None  # Loopback is shared by all workers: not reported.
     for row in report["rows"]:
         assert row["min_ms"] <= row["median_ms"] <= row["max_ms"]
@@ -60,7 +61,13 @@ def test_emulated_link_bytes_and_advisor_agree_with_the_measured_sync_step(tmp_p
     out, _ = tfdp_cli("bench", "--presets", "sync", "--rate-mbit", "100", "--params", "1e6", "--steps", "4",
                       "--warmup-steps", "2", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    (sync,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    (sync,) = report["rows"]
+    # The advisor's compute is a worker's in the job: two copies of the single worker side by side on
+    # this machine's CPUs, as the two emulated hosts share them.
+    assert report["side_by_side"]["copies"] == 2
+    assert sync["advisor_compute_ms"] == pytest.approx(report["side_by_side_ms"])
+    assert "2 such workers side by side" in (tmp_path / "bench.md").read_text()
     # ~4 MB of float32 gradients per step cross a 100 Mbit/s link: ~0.32 s of communication.
     assert sync["payload_bytes_per_step"] > 3.9e6
     assert sync["link_over_payload"] == pytest.approx(1.0, abs=0.10)

@@ -1,0 +1,60 @@
+"""The side-by-side baseline of `tfdp bench`: copies of the single worker start each timed phase together."""
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import QUIET_ENV
+
+from tfdp.tools.side_by_side import Rendezvous
+
+
+def _arrive_late(directory, seconds):
+    time.sleep(seconds)
+    Rendezvous(directory, copies=2)("phase")
+
+
+def test_a_copy_waits_for_the_other_at_each_phase(tmp_path):
+    late = multiprocessing.get_context("fork").Process(target=_arrive_late, args=(tmp_path, 0.6))
+    start = time.monotonic()
+    late.start()
+    Rendezvous(tmp_path, copies=2)("phase")
+    waited = time.monotonic() - start
+    late.join(timeout=10)
+    assert late.exitcode == 0
+    assert waited >= 0.55  # it left only once the late copy had arrived
+    # Negative control: a copy alone goes on at once.
+    start = time.monotonic()
+    Rendezvous(tmp_path / "alone", copies=1)("phase")
+    assert time.monotonic() - start < 0.05
+
+
+def test_a_missing_copy_is_an_error_that_says_so(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"2 copies should reach 'compressor qsgd', 1 did in 0.3 s"):
+        Rendezvous(tmp_path, copies=2, timeout=0.3)("compressor qsgd")
+    assert time.monotonic() - start < 5
+    with pytest.raises(ValueError, match="`copies` must be an int >= 1"):
+        Rendezvous(tmp_path, copies=0)
+
+
+def test_two_bench_workers_side_by_side_meet_before_every_timed_phase(tmp_path):
+    meeting = tmp_path / "meeting"
+    command = [sys.executable, "-m", "tfdp.tools.bench_worker", "--preset", "sync", "--params", "1e5",
+               "--batch-size", "8", "--steps", "3", "--warmup-steps", "1", "--time-compressors", "topk-1pct",
+               "--side-by-side", str(meeting), "2"]
+    env = {**os.environ, **QUIET_ENV, "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
+    copies = [subprocess.Popen(command + ["--out", str(tmp_path / f"copy{i}.json")], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        outputs = [c.communicate(timeout=240)[0] for c in copies]
+    finally:
+        for c in copies:
+            c.kill()
+    assert [c.returncode for c in copies] == [0, 0], outputs
+    for phase in ("timed steps", "forward", "compressor topk-1pct"):
+        assert len(list(meeting.glob(f"{phase}.*"))) == 2, phase
+    assert len(list(meeting.iterdir())) == 6  # nothing else waited
