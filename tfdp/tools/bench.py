@@ -150,6 +150,9 @@ def run_bench(preset_names, workers=2, rate_mbit=None, workload="mlp", params=6e
             "payload_bytes_per_step": r["payload_bytes_per_step"],
             "link_bytes_per_step": r["link_bytes_per_step"],
             "compute_ms": 1000 * compute,
+            # Rank 0's CPU seconds per step, all its threads: above the wall time when the worker
+            # computes on several CPUs, near it when the CPUs are shared and busy throughout.
+            "cpu_ms_per_step": 1000 * r["cpu_seconds_per_step"] if "cpu_seconds_per_step" in r else None,
             "optimizer_state_bytes": (r.get("memory") or {}).get("optimizer_state_bytes"),
             "peak_rss_bytes": 1024 * r["peak_rss_kb"] if r.get("peak_rss_kb") else None,
             "picked": (r.get("auto") or {}).get("picked"),  # what auto ran after measuring

@@ -52,7 +52,7 @@ class StepProbe(keras.callbacks.Callback):
     def _mark(self):
         stats = self.strategy.communication_stats() if hasattr(self.strategy, "communication_stats") else {}
         self.marks.append((time.perf_counter(), stats.get("payload_bytes", 0), self._link_bytes(),
-                           stats.get("gradient_bytes", 0)))
+                           stats.get("gradient_bytes", 0), time.process_time()))
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self.marks:
@@ -167,6 +167,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
         "batch_size": batch_size, "steps": steps, "warmup_steps": warmup_steps,
         "step_seconds": seconds, "median_seconds": statistics.median(seconds),
         "seconds_per_step": span / steps,
+        "cpu_seconds_per_step": (timed[-1][4] - timed[0][4]) / steps,
         "payload_bytes_per_step": (timed[-1][1] - timed[0][1]) / steps,
         "gradient_bytes_per_step": (timed[-1][3] - timed[0][3]) / steps,
         "link_bytes_per_step": link,
