@@ -27,13 +27,14 @@ def test_a_slow_link_picks_compression_and_a_fast_one_keeps_sync():
                          compressor_seconds={"powersgd-r4": 0.03, "qsgd": 0.02, "fp16": 0.004, "bf16": 0.004,
                                              "topk-1pct": 0.02, "efsign": 0.02})
     assert fast == "sync"
-    # A candidate predicted faster by less than 5% does not replace sync.
-    # (2 GB/s: sync's 24 MB take 12 ms of a 200 ms step, fp16 saves 6 ms of them, 3%.)
-    close, rows, _ = pick(SHAPES, 2, step_seconds=0.2, probe_bytes=8 * MB, probe_seconds=0.0041, latency_seconds=1e-4,
-                          compressor_seconds={"powersgd-r4": 1.0, "qsgd": 1.0, "fp16": 0.0, "bf16": 0.0},
-                          candidates=["sync", "fp16"])
-    predicted = {r.preset: r.seconds_per_step for r in rows}
-    assert 0.95 * predicted["sync"] < predicted["fp16"] < predicted["sync"] and close == "sync"
+    # A candidate predicted faster by less than 20% does not replace sync (sync's buckets may have
+    # hidden that much of its all-reduce). 250 MB/s: sync's 24 MB take 96 ms of a 300 ms step, fp16
+    # saves 48 ms of them, 16%; at 200 MB/s it saves 60 ms of a 300 ms step, 20%, and replaces sync.
+    for probe_seconds, expected in ((0.0337, "sync"), (0.0421, "fp16")):
+        picked, rows, _ = pick(SHAPES, 2, step_seconds=0.3, probe_bytes=8 * MB, probe_seconds=probe_seconds,
+                               latency_seconds=1e-4, compressor_seconds={"fp16": 0.0}, candidates=["sync", "fp16"])
+        predicted = {r.preset: r.seconds_per_step for r in rows}
+        assert picked == expected, (predicted, probe_seconds)
 
 
 def test_the_candidates_are_sync_and_the_compressed_presets_that_held_accuracy_everywhere(monkeypatch):
@@ -86,7 +87,7 @@ def test_auto_on_two_workers_picks_the_same_preset_everywhere_and_trains_on(tmp_
         first, second = (r[case] for r in ranks)
         assert first["stats"] == second["stats"] and first["weights"] == second["weights"]
         assert first["loss_fell"]
-    # Loopback: the all-reduce costs next to nothing, no candidate beats sync by 5%.
+    # Loopback: the all-reduce costs next to nothing, no candidate beats sync by 20%.
     assert ranks[0]["default"]["stats"]["picked"] == "sync"
     # Only PowerSGD to choose from: after the 6 measured steps (and its 20 dense warm-up steps)
     # the gradients travel as PowerSGD's factors.

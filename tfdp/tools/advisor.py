@@ -176,12 +176,12 @@ def advise(shapes, workers, bandwidth_bytes, compute_seconds, latency_seconds=DE
 BEATS_SYNC_BY = 0.05
 
 
-def recommendation(rows, holds=None):
+def recommendation(rows, holds=None, margin=BEATS_SYNC_BY):
     """The preset to use: the fastest one (of those `holds(name)` accepts, e.g. `holds_accuracy`),
-    unless it is not `BEATS_SYNC_BY` faster than sync."""
+    unless it is not `margin` (a fraction of sync's step) faster than sync."""
     chosen = [r for r in rows if holds is None or r.preset == "sync" or holds(r.preset)] or rows
     sync = next((r for r in rows if r.preset == "sync"), None)
-    if sync is not None and chosen[0].seconds_per_step > (1 - BEATS_SYNC_BY) * sync.seconds_per_step:
+    if sync is not None and chosen[0].seconds_per_step > (1 - margin) * sync.seconds_per_step:
         return "sync"
     return chosen[0].preset
 
