@@ -3,13 +3,14 @@
 import multiprocessing
 import os
 import subprocess
+import threading
 import sys
 import time
 
 import pytest
 from conftest import QUIET_ENV
 
-from tfdp.tools.side_by_side import Rendezvous
+from tfdp.tools.side_by_side import Rendezvous, abandon
 
 
 def _arrive_late(directory, seconds):
@@ -41,6 +42,14 @@ def test_a_missing_copy_is_an_error_that_says_so(tmp_path):
         Rendezvous(tmp_path, copies=0)
 
 
+def test_a_copy_that_ended_releases_the_others_at_once(tmp_path):
+    abandon(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="another copy ended before 'forward'"):
+        Rendezvous(tmp_path, copies=2, timeout=60)("forward")
+    assert time.monotonic() - start < 1  # not the 60 s timeout
+
+
 def test_two_bench_workers_side_by_side_meet_before_every_timed_phase(tmp_path):
     meeting = tmp_path / "meeting"
     command = [sys.executable, "-m", "tfdp.tools.bench_worker", "--preset", "sync", "--params", "1e5",
@@ -58,3 +67,25 @@ def test_two_bench_workers_side_by_side_meet_before_every_timed_phase(tmp_path):
     for phase in ("timed steps", "forward", "compressor topk-1pct"):
         assert len(list(meeting.glob(f"{phase}.*"))) == 2, phase
     assert len(list(meeting.iterdir())) == 6  # nothing else waited
+
+
+def test_the_bench_ends_every_copy_when_one_fails(monkeypatch):
+    from tfdp.tools import bench
+
+    calls, lock = [], threading.Lock()
+
+    def job(preset, workers, rate_mbit, *args, extra=()):
+        meeting, copies = extra[-2], int(extra[-1])
+        with lock:
+            calls.append(preset)
+            first = len(calls) == 1
+        if first:
+            raise RuntimeError("bench job 'sync' on 1 worker(s) failed")
+        Rendezvous(meeting, copies, timeout=60)("timed steps")  # would wait 60 s for the failed copy
+
+    monkeypatch.setattr(bench, "_job", job)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="failed|another copy ended"):
+        bench._side_by_side(2, "mlp", 1e5, 8, 3, 1, 1, 60, None, [], None, "sgd")
+    assert time.monotonic() - start < 10
+    assert len(calls) == 2

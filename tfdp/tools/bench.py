@@ -67,9 +67,19 @@ def _side_by_side(copies, *job_args, extra=()):
     the copies of their compute and compression times."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from tfdp.tools.side_by_side import abandon
+
     with tempfile.TemporaryDirectory() as meeting, ThreadPoolExecutor(copies) as pool:
         flags = [*extra, "--side-by-side", meeting, str(copies)]
-        results = list(pool.map(lambda _: _job("sync", 1, None, *job_args, extra=flags), range(copies)))
+
+        def copy(_):
+            try:
+                return _job("sync", 1, None, *job_args, extra=flags)
+            except BaseException:
+                abandon(meeting)  # the other copies stop waiting for this one
+                raise
+
+        results = list(pool.map(copy, range(copies)))
     combined = dict(results[0], copies=copies)
     for key in ("median_seconds", "forward_seconds"):
         combined[key] = statistics.median(r[key] for r in results)

@@ -27,13 +27,17 @@ class Rendezvous:
         self.timeout = timeout
 
     def __call__(self, phase):
-        """Wait until every copy has reached `phase`; a copy missing after `timeout` seconds is an error."""
+        """Wait until every copy has reached `phase`; a copy missing after `timeout` seconds, or one
+        that ended (`abandon`), is an error."""
         if self.copies == 1:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / f"{phase}.{os.getpid()}").touch()
         deadline = time.monotonic() + self.timeout
         while len(list(self.directory.glob(f"{phase}.*"))) < self.copies:
+            if (self.directory / ABANDONED).exists():
+                raise RuntimeError(f"side-by-side baseline: another copy ended before {phase!r} "
+                                   f"(see its output above); this copy stops too.")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"side-by-side baseline: {self.copies} copies should reach {phase!r}, "
                                    f"{len(list(self.directory.glob(f'{phase}.*')))} did in {self.timeout:g} s "
@@ -41,8 +45,17 @@ class Rendezvous:
             time.sleep(0.005)
 
 
+ABANDONED = "abandoned"
+
+
+def abandon(directory):
+    """Tell the copies meeting in `directory` that one of them ended: they stop waiting."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / ABANDONED).touch()
+
+
 def alone(phase):
     """The rendezvous of a process that runs alone: nothing to wait for."""
 
 
-__all__ = ["Rendezvous", "alone"]
+__all__ = ["Rendezvous", "abandon", "alone"]
