@@ -6,6 +6,7 @@ import subprocess
 import threading
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import QUIET_ENV
@@ -79,9 +80,13 @@ def test_the_bench_ends_every_copy_when_one_fails(monkeypatch):
         with lock:
             calls.append(preset)
             first = len(calls) == 1
-        if first:
-            raise RuntimeError("bench job 'sync' on 1 worker(s) failed")
-        Rendezvous(meeting, copies, timeout=60)("timed steps")  # would wait 60 s for the failed copy
+        if first:  # waits for the other copy: without `abandon` for 60 s
+            Rendezvous(meeting, copies, timeout=60)("timed steps")
+        # The second copy fails once the first is waiting (had it failed first, `map` could have
+        # cancelled the other before it started).
+        while not list(Path(meeting).glob("timed steps.*")):
+            time.sleep(0.01)
+        raise RuntimeError("bench job 'sync' on 1 worker(s) failed")
 
     monkeypatch.setattr(bench, "_job", job)
     start = time.monotonic()
