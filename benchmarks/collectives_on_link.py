@@ -19,25 +19,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 ENTRIES = 1_000_000
-
-
-def _timed(step, repeats=8):
-    """Seconds of each of `repeats` calls of `step`, after one that traces it."""
-    step()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    return seconds
 
 
 def measure():
     import horovod.tensorflow as hvd
     import tensorflow as tf
+
+    from tfdp.comm.timing import timed_calls
 
     hvd.init()
     size = hvd.size()
@@ -52,7 +42,7 @@ def measure():
             tf.reshape(hvd.reducescatter(tf.reshape(vector, [size, -1]), op=hvd.Sum, name="rs2"), [-1]), name="ag2"),
     }
     for name, body in cases.items():
-        seconds = _timed(tf.function(body))
+        seconds = timed_calls(tf.function(body), 8)
         if hvd.rank() == 0:
             median, fastest = 1000 * statistics.median(seconds), 1000 * min(seconds)
             print(f"{name:36s} median {median:7.1f} ms   fastest {fastest:7.1f} ms", flush=True)
@@ -64,6 +54,8 @@ def measure_sizes(rate_mbit, sizes_mb):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
+    from tfdp.comm.timing import timed_calls
+
     hvd.init()
     size, rate = hvd.size(), rate_mbit * 1e6 / 8
     for mb in sizes_mb:
@@ -74,7 +66,7 @@ def measure_sizes(rate_mbit, sizes_mb):
                  "allreduce": (lambda: hvd.allreduce(floats, op=hvd.Sum, name=f"ar{mb}"),
                                2 * (size - 1) / size * count / rate)}
         for name, (body, wire) in cases.items():
-            seconds = _timed(tf.function(body))
+            seconds = timed_calls(tf.function(body), 8)
             if hvd.rank() == 0:
                 median = statistics.median(seconds)
                 print(f"{name} {mb:g} MB per worker: median {1000 * median:7.1f} ms, ring wire time "

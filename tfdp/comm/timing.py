@@ -1,9 +1,29 @@
-"""`allreduce_seconds`: how long one all-reduce takes on this job's link, as the job sees it."""
+"""`allreduce_seconds`: how long one all-reduce takes on this job's link, as the job sees it;
+`timed_calls`: the seconds of repeated calls, after untimed ones that trace."""
 
 import statistics
 import time
 
 import tensorflow as tf
+
+
+def timed_calls(call, repeats, untimed=1, ready=None):
+    """Seconds of each of `repeats` calls of `call`, after `untimed` ones (tracing, building);
+    `ready`, if given, is called between the two.
+
+    Example:
+        >>> statistics.median(timed_calls(lambda: step().numpy(), 8))
+    """
+    for _ in range(untimed):
+        call()
+    if ready is not None:
+        ready()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def allreduce_seconds(communicator, elements, repeats=3):
@@ -16,9 +36,4 @@ def allreduce_seconds(communicator, elements, repeats=3):
         >>> latency = allreduce_seconds(strategy.extended.communicator, 1)
     """
     value = tf.zeros([elements], tf.float32)
-    seconds = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        communicator.allreduce([value], op="sum")[0].numpy()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[1:])
+    return statistics.median(timed_calls(lambda: communicator.allreduce([value], op="sum")[0].numpy(), repeats))

@@ -217,13 +217,14 @@ def model_step_seconds(path, batch_size, steps=8):
     random rows of its input shape, one worker. The loss is the outputs' mean: labels do not
     change what a step computes."""
     import statistics
-    import time
 
     import keras
     import numpy as np
     import tensorflow as tf
 
     import warnings
+
+    from tfdp.comm.timing import timed_calls
 
     with warnings.catch_warnings():  # an optimizer saved unbuilt: "Skipping variable loading"
         warnings.simplefilter("ignore", UserWarning)
@@ -238,12 +239,7 @@ def model_step_seconds(path, batch_size, steps=8):
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return loss
 
-    seconds = []
-    for _ in range(steps + 2):  # the first two trace and build
-        start = time.perf_counter()
-        step().numpy()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[2:])
+    return statistics.median(timed_calls(lambda: step().numpy(), steps, untimed=2))  # two trace and build
 
 
 def accuracy_note(preset):

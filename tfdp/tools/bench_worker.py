@@ -21,6 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
+from tfdp.comm.timing import timed_calls  # noqa: E402
 from tfdp.tools import workloads  # noqa: E402
 from tfdp.tools.side_by_side import Rendezvous, alone  # noqa: E402
 from tfdp.tools.slowdown import apply_from_env  # noqa: E402
@@ -88,14 +89,7 @@ def forward_seconds(model, x, y, repeats=10, meet=alone):
     def forward(x, y):
         return model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
 
-    forward(x, y)
-    meet("forward")
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        forward(x, y).numpy()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return statistics.median(timed_calls(lambda: forward(x, y).numpy(), repeats, ready=lambda: meet("forward")))
 
 
 class EpochClock(keras.callbacks.Callback):

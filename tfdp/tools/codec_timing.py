@@ -13,13 +13,13 @@ Example:
 
 import gc
 import statistics
-import time
 
 import numpy as np
 import tensorflow as tf
 
 from tfdp import presets
 from tfdp.comm.fake import fake_group
+from tfdp.comm.timing import timed_calls
 from tfdp.auto import reducer_factory
 
 
@@ -64,15 +64,7 @@ def _timed_steps(preset, shapes, repeats, seed, ready=None):
         reducer.after_update(variables)
         return [tf.reduce_sum(v) for v in variables]
 
-    step()  # trace
-    if ready is not None:
-        ready()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+    return timed_calls(step, repeats, ready=ready)  # after one call that traces
 
 
 __all__ = ["compressor_seconds", "preset_reducer"]
