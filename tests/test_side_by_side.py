@@ -68,6 +68,35 @@ def test_two_bench_workers_side_by_side_meet_before_every_timed_phase(tmp_path):
     for phase in ("timed steps", "forward", "compressor topk-1pct"):
         assert len(list(meeting.glob(f"{phase}.*"))) == 2, phase
     assert len(list(meeting.iterdir())) == 6  # nothing else waited
+    import json
+
+    for i in range(2):  # the steps the bench pairs up by index, each copy's own
+        result = json.loads((tmp_path / f"copy{i}.json").read_text())
+        assert len(result["step_seconds"]) == 3
+        assert len(result["compressor_step_seconds"]["topk-1pct"]) == 5  # never fewer than 5
+        assert all(s > 0 for s in result["compressor_step_seconds"]["topk-1pct"])
+
+
+def test_the_baseline_takes_each_step_s_slowest_copy(monkeypatch):
+    """A synchronous step waits for its slowest worker: copies slow on alternate steps make a
+    lockstep baseline slow on every step, where the median of each copy is fast half the time."""
+    from tfdp.tools import bench
+
+    copy_steps = iter([[0.010, 0.030, 0.010, 0.030, 0.010], [0.030, 0.010, 0.030, 0.010, 0.030]])
+    lock = threading.Lock()
+
+    def job(*args, extra=()):
+        with lock:
+            steps = next(copy_steps)
+        return {"median_seconds": sorted(steps)[2], "forward_seconds": 0.004, "step_seconds": steps,
+                "compressor_step_seconds": {"qsgd": [s / 2 for s in steps]}}
+
+    monkeypatch.setattr(bench, "_job", job)
+    combined = bench._side_by_side(2, "mlp", 1e5, 8, 3, 1, 1, 60, None, [], None, "sgd")
+    assert combined["median_seconds"] == pytest.approx(0.030)
+    assert combined["compressor_seconds"]["qsgd"] == pytest.approx(0.015)
+    assert combined["alone_median_seconds"] == pytest.approx(0.020)  # what the median of medians said
+    assert bench.lockstep_seconds([[1.0, 3.0, 2.0], [2.0, 1.0, 2.5]]) == 2.5
 
 
 def test_the_bench_ends_every_copy_when_one_fails(monkeypatch):

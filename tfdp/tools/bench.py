@@ -9,7 +9,9 @@ that crossed the link per step (emulated hosts) and, given a link rate, the advi
 prediction and the measured/predicted ratio. The advisor's compute (C and the compressed presets'
 compression, timed on the model's shapes: `tfdp.tools.codec_timing`) is what a worker gets in
 the job: on emulated hosts that share this machine's CPUs, `workers` copies of the single-worker
-job run side by side (`tfdp.tools.side_by_side`); with `pin_cpus`, the single worker on one CPU.
+job run side by side (`tfdp.tools.side_by_side`) and each step counts as their slowest copy's, as
+a synchronous step waits for its slowest worker (`lockstep_seconds`); with `pin_cpus`, the single
+worker on one CPU.
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` to `out_dir`, and ``bench-shares.png`` (each
 worker's share over the steps) when a preset balances shares.
 
@@ -63,8 +65,8 @@ def _job(preset, workers, rate_mbit, workload, params, batch_size, steps, warmup
 
 
 def _side_by_side(copies, *job_args, extra=()):
-    """`copies` single-worker jobs at once, their timed phases started together; the medians over
-    the copies of their compute and compression times."""
+    """`copies` single-worker jobs at once, their timed phases started together; their compute and
+    compression times as the workers of a synchronous job see them (`lockstep_seconds`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tfdp.tools.side_by_side import abandon
@@ -80,12 +82,25 @@ def _side_by_side(copies, *job_args, extra=()):
                 raise
 
         results = list(pool.map(copy, range(copies)))
-    combined = dict(results[0], copies=copies)
-    for key in ("median_seconds", "forward_seconds"):
-        combined[key] = statistics.median(r[key] for r in results)
-    combined["compressor_seconds"] = {name: statistics.median(r["compressor_seconds"][name] for r in results)
-                                      for name in results[0].get("compressor_seconds", {})}
+    combined = dict(results[0], copies=copies, alone_median_seconds=statistics.median(
+        r["median_seconds"] for r in results))
+    combined["forward_seconds"] = statistics.median(r["forward_seconds"] for r in results)
+    combined["median_seconds"] = lockstep_seconds([r["step_seconds"] for r in results])
+    combined["compressor_seconds"] = {
+        name: lockstep_seconds([r["compressor_step_seconds"][name] for r in results])
+        for name in results[0].get("compressor_step_seconds", {})}
     return combined
+
+
+def lockstep_seconds(step_seconds):
+    """The median step of processes that wait for each other every step, from their steps timed
+    apart: a synchronous step ends when its slowest worker is done, so step i takes the longest
+    of the processes' i-th steps. `step_seconds`: one list per process.
+
+    >>> lockstep_seconds([[1.0, 3.0, 2.0], [2.0, 1.0, 2.5]])
+    2.5
+    """
+    return statistics.median(max(steps) for steps in zip(*step_seconds))
 
 
 def _spread(seconds):
@@ -237,8 +252,8 @@ def markdown_table(rows, compute_seconds, workers, rate_mbit, slowdown=None, for
         f"batch {first['batch_size_per_worker']} per worker; one worker alone: {1000 * compute_seconds:.1f} ms/step"
         + (f" (forward and loss {1000 * forward_seconds:.1f} ms: backprop and update "
            f"{1 - forward_seconds / compute_seconds:.0%})" if forward_seconds else "")
-        + (f"; {workers} such workers side by side on this machine's CPUs (the advisor's compute): "
-           f"{1000 * side_by_side_seconds:.1f} ms/step" if side_by_side_seconds else "")
+        + (f"; {workers} such workers side by side on this machine's CPUs, each step their slowest's "
+           f"(the advisor's compute): {1000 * side_by_side_seconds:.1f} ms/step" if side_by_side_seconds else "")
         + (f"; an all-reduce of 4 bytes (the advisor's latency per collective): {latencies} ms" if latencies else "")
         + ".",
         "",

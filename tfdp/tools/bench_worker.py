@@ -200,12 +200,15 @@ def main(argv=None):
     result = run(args.preset, args.workload, int(args.params), args.batch_size, args.steps, args.warmup_steps,
                  args.target_accuracy, args.epochs, args.optimizer, meet)
     if args.time_compressors:
-        from tfdp.tools.codec_timing import compressor_seconds
+        from tfdp.tools.codec_timing import compressor_step_seconds
 
-        result["compressor_seconds"] = {
-            name: compressor_seconds(name, [tuple(s) for s in result["shapes"]],
-                                     ready=lambda name=name: meet(f"compressor {name}"))
+        # As many steps as the training timed: a side-by-side baseline pairs them up by index.
+        result["compressor_step_seconds"] = {
+            name: compressor_step_seconds(name, [tuple(s) for s in result["shapes"]], repeats=max(5, args.steps),
+                                          ready=lambda name=name: meet(f"compressor {name}"))
             for name in args.time_compressors}
+        result["compressor_seconds"] = {name: statistics.median(seconds)
+                                        for name, seconds in result["compressor_step_seconds"].items()}
     if int(os.environ.get("HOROVOD_RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -35,14 +35,21 @@ def compressor_seconds(preset, shapes, repeats=5, seed=0, ready=None):
     """Median seconds one step of `preset`'s compression takes on gradients of `shapes`
     (0.0 for presets that do not compress). Runs on this process's TensorFlow threads;
     `ready` (if given) is called after tracing, right before the timed steps."""
+    return statistics.median(compressor_step_seconds(preset, shapes, repeats, seed, ready))
+
+
+def compressor_step_seconds(preset, shapes, repeats=5, seed=0, ready=None):
+    """Seconds of each of `repeats` steps of `preset`'s compression on gradients of `shapes`
+    (zeros for presets that do not compress), after one that traces: `compressor_seconds`
+    without the median, for baselines that combine the steps of several processes."""
     if presets.load_variant(preset)["strategy"] != "compressed":
-        return 0.0
+        return [0.0] * repeats
     seconds = _timed_steps(preset, shapes, repeats, seed, ready)
     # A traced tf.function sits in reference cycles with what it captured; without a collection
     # here the advisor holds every timed preset's residuals and weights at once (on a 6 M
     # parameter model, 180 MB more peak memory over the six candidates).
     gc.collect()
-    return statistics.median(seconds)
+    return seconds
 
 
 def _timed_steps(preset, shapes, repeats, seed, ready=None):
@@ -67,4 +74,4 @@ def _timed_steps(preset, shapes, repeats, seed, ready=None):
     return timed_calls(step, repeats, ready=ready)  # after one call that traces
 
 
-__all__ = ["compressor_seconds", "preset_reducer"]
+__all__ = ["compressor_seconds", "compressor_step_seconds", "preset_reducer"]
