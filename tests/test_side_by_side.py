@@ -1,5 +1,6 @@
 """The side-by-side baseline of `tfdp bench`: copies of the single worker start each timed phase together."""
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -68,8 +69,6 @@ def test_two_bench_workers_side_by_side_meet_before_every_timed_phase(tmp_path):
     for phase in ("timed steps", "forward", "compressor topk-1pct"):
         assert len(list(meeting.glob(f"{phase}.*"))) == 2, phase
     assert len(list(meeting.iterdir())) == 6  # nothing else waited
-    import json
-
     for i in range(2):  # the steps the bench pairs up by index, each copy's own
         result = json.loads((tmp_path / f"copy{i}.json").read_text())
         assert len(result["step_seconds"]) == 3
