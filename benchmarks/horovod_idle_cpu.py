@@ -4,9 +4,9 @@ Every `HOROVOD_CYCLE_TIME` milliseconds Horovod's background thread coordinates 
 exchange with the others), whether or not a collective is waiting. On hosts of many cores that
 thread has a core of its own; on this machine the emulated hosts share 2 cores, so what it burns
 is taken from the workers' compute. Each worker initialises Horovod, sleeps 3 s and prints its
-process's CPU milliseconds per second of that sleep. Found with it (2 workers, stop 37): 130-180
-ms/s at 1 ms (Horovod's default), 44-61 at 4 ms, and 20-36 ms/s for one worker alone, on loopback
-and at 100 Mbit/s alike. Needs root for ``--rate-mbit``.
+process's CPU milliseconds per second of that sleep. Found with it (2 workers, stop 37): 131-180
+ms/s at 1 ms (Horovod's default) and 44-75 at 4 ms, on loopback and at 100 Mbit/s alike; one
+worker alone 36 and 20 ms/s (docs/results.md, the advisor in lockstep). Needs root for ``--rate-mbit``.
 
     .venv/bin/python benchmarks/horovod_idle_cpu.py --cycle-ms 1 4 [--rate-mbit 100] [-np 2]
 """
