@@ -27,7 +27,7 @@ import tensorflow as tf  # noqa: E402
 tf.config.threading.set_intra_op_parallelism_threads(1)  # before tfdp's import starts TensorFlow
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
-from tfdp.compression import codecs  # noqa: E402
+from tfdp.compression import codecs, selection  # noqa: E402
 from tfdp.tools.codec_timing import compressor_seconds  # noqa: E402
 from tfdp.tools.workloads import build_mlp  # noqa: E402
 
@@ -54,15 +54,15 @@ def main():
     megabytes = entries * 4 / 1e6
     rows = {}
     for label, preset in PRESETS.items():
-        previous, exchange_entries = codecs.SAMPLED_TOP_K_MIN_ENTRIES, codecs.TopK.exchange_entries
+        previous, exchange_entries = selection.SAMPLED_TOP_K_MIN_ENTRIES, codecs.TopK.exchange_entries
         if "over all" in label:
-            codecs.SAMPLED_TOP_K_MIN_ENTRIES = 1 << 62
+            selection.SAMPLED_TOP_K_MIN_ENTRIES = 1 << 62
         if "dense tensors" in label:
             codecs.TopK.exchange_entries = None  # the reducer then takes the general path
         try:
             rows[label] = 1000 * compressor_seconds(preset, shapes, repeats=args.repeats)
         finally:
-            codecs.SAMPLED_TOP_K_MIN_ENTRIES, codecs.TopK.exchange_entries = previous, exchange_entries
+            selection.SAMPLED_TOP_K_MIN_ENTRIES, codecs.TopK.exchange_entries = previous, exchange_entries
     print(f"MLP of {entries:,} parameters ({megabytes:.1f} MB of float32 gradients), one thread, "
           f"median of {args.repeats} steps\n")
     print("| preset | ms per step (compress, decompress, residual) | ms per MB |")

@@ -12,7 +12,11 @@ from tfdp import compression
 import tfdp
 from tfdp.comm.fake import fake_group, run_ranks
 from tfdp.compression import QSGD, Cast, EFSign, ErrorFeedback, PowerSGD, RandomK, TopK
-from tfdp.compression.codecs import largest_magnitudes, pack_signs, sample_positions, unpack_signs
+from tfdp.compression.codecs import pack_signs, unpack_signs
+import keras
+
+from tfdp.compression.entries import add_entries
+from tfdp.compression.selection import entries_at, largest_magnitudes, sample_positions
 from tfdp.reducers import CompressedGradients, ReducerState
 
 
@@ -98,6 +102,43 @@ def test_sampled_threshold_top_k_falls_back_when_the_sample_overestimates():
     assert threshold_count < k  # the candidates would be too few: the fallback must run
     expected = np.sort(np.argpartition(-flat, k)[:k])
     np.testing.assert_array_equal(np.sort(largest_magnitudes(tf.constant(flat), k, 0).numpy()), expected)
+
+
+@pytest.mark.parametrize("n", [5_000, 300_000])
+def test_top_k_of_a_difference_is_the_top_k_of_the_tensor_it_never_builds(n):
+    rng = np.random.default_rng(7)
+    a, b = (rng.standard_t(3, size=n).astype("float32") for _ in range(2))
+    k = n // 100
+    difference = a - b
+    expected = np.sort(np.argpartition(-np.abs(difference), k)[:k])
+    for step in range(3):
+        found = largest_magnitudes(tf.constant(a), k, step, minus=tf.constant(b)).numpy()
+        np.testing.assert_array_equal(found, expected)  # ascending, as returned
+        values = entries_at(tf.constant(a), tf.constant(b), tf.constant(found)).numpy()
+        np.testing.assert_array_equal(values, difference[found])  # bit for bit
+
+
+def test_top_k_takes_the_first_of_tied_entries_and_counts_nan_as_largest():
+    flat = np.ones(100_000, np.float32)
+    flat[[7, 99_000]] = 2.0
+    np.testing.assert_array_equal(largest_magnitudes(tf.constant(flat), 5).numpy(), [0, 1, 2, 7, 99_000])
+    flat[50] = np.nan
+    np.testing.assert_array_equal(largest_magnitudes(tf.constant(flat), 3).numpy(), [7, 50, 99_000])
+
+
+@pytest.mark.parametrize("make", [tf.Variable, keras.Variable], ids=["tf", "keras"])
+def test_entries_are_added_into_each_variable_in_place(make):
+    indices = np.array([5, 0, 5, 11], np.int32)
+    values = np.array([1.5, -2.0, 0.25, 4.0], np.float32)
+    first, second = make(np.zeros((3, 4), np.float32)), make(np.full((3, 4), 10.0, np.float32))
+    expected_first, expected_second = np.zeros(12, np.float32), np.full(12, 10.0, np.float32)
+    for _ in range(2):  # the second call reuses the compiled function
+        add_entries(first, tf.constant(indices), tf.constant(values))
+        np.add.at(expected_first, indices, values)
+    add_entries(second, tf.constant(indices), tf.constant(values))  # same shape, another variable
+    np.add.at(expected_second, indices, values)
+    np.testing.assert_array_equal(np.asarray(first).ravel(), expected_first)
+    np.testing.assert_array_equal(np.asarray(second).ravel(), expected_second)
 
 
 def test_topk_sums_gathered_workers():

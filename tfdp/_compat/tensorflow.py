@@ -124,3 +124,40 @@ def outermost_function_graph():
     while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
         graph = graph.outer_graph
     return graph
+
+
+def resource_variable_of(variable):
+    """The `ResourceVariable` holding `variable`'s value on this worker, or None.
+
+    That is `variable` itself, a Keras 3 variable's `_value` (keras/src/backend/tensorflow/core.py),
+    or the one component of a mirrored variable on this worker's single device
+    (tensorflow/python/distribute/values.py `DistributedVariable.values`). XLA-compiled functions
+    update it in place; they cannot take the wrappers.
+    """
+    from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+
+    while not isinstance(variable, ResourceVariable):
+        if isinstance(getattr(variable, "values", None), tuple) and len(variable.values) == 1:
+            variable = variable.values[0]
+        elif getattr(variable, "_value", None) is not None and variable._value is not variable:
+            variable = variable._value
+        else:
+            return None
+    return variable
+
+
+def read_handle(handle, dtype):
+    """The value of the resource variable `handle` refers to (tensorflow/python/ops/gen_resource_variable_ops.py).
+
+    A function that takes a variable's handle, not the variable, is traced once per the
+    arguments it declares (a Python `shape`, say) and reused for every variable."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+
+    return gen_resource_variable_ops.read_variable_op(handle, dtype)
+
+
+def assign_handle(handle, value):
+    """Assign `value` to the resource variable `handle` refers to (see `read_handle`)."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+
+    return gen_resource_variable_ops.assign_variable_op(handle, value)

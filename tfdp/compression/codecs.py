@@ -21,6 +21,9 @@ import math
 
 import tensorflow as tf
 
+from tfdp.compression.entries import dense_of_entries
+from tfdp.compression.selection import entries_at, largest_magnitudes
+
 
 def _check_ratio(ratio):
     if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
@@ -230,63 +233,6 @@ def _k_at(n, ratio, warmup_steps, step):
     return tf.maximum(1, tf.cast(tf.math.ceil(n * density(ratio, warmup_steps, step)), tf.int32))
 
 
-#: Below this many entries `tf.math.top_k` over all of them is as fast as sampling first.
-SAMPLED_TOP_K_MIN_ENTRIES = 1 << 16
-
-
-def largest_magnitudes(flat, k, step=0):
-    """Indices (int32) of the `k` entries of the 1-D `flat` with the largest magnitude.
-
-    `tf.math.top_k` over millions of entries is slow on CPU. As in Deep Gradient Compression
-    (Lin et al., https://arxiv.org/abs/1712.01887), a random sample of 1% of the entries
-    estimates the magnitude above which about 1.5 k entries lie; `top_k` then runs over
-    those candidates only. The result is the exact top k (the candidates are every entry above
-    a threshold, so when there are at least k of them they hold the k largest); in the rare
-    step where the sample overestimates and fewer than k are found, `top_k` runs over all.
-
-    Example:
-        >>> sorted(largest_magnitudes(tf.constant([0.5, -3.0, 2.0, 0.1]), 2).numpy().tolist())
-        [1, 2]
-    """
-    magnitudes = tf.abs(flat)
-    n = int(flat.shape[0])
-    if n < SAMPLED_TOP_K_MIN_ENTRIES:
-        return tf.math.top_k(magnitudes, k=k, sorted=False).indices
-    sample_size = max(4096, n // 100)
-    sample = tf.gather(magnitudes, sample_positions(n, sample_size, step))
-    wanted = tf.cast(tf.math.ceil(1.5 * sample_size * tf.cast(k, tf.float64) / n), tf.int32)
-    threshold = tf.reduce_min(tf.math.top_k(sample, k=tf.clip_by_value(wanted, 1, sample_size), sorted=False).values)
-    candidates = tf.cast(tf.where(magnitudes >= threshold)[:, 0], tf.int32)
-
-    def among_candidates():
-        return tf.gather(candidates, tf.math.top_k(tf.gather(magnitudes, candidates), k=k, sorted=False).indices)
-
-    def over_all():
-        return tf.math.top_k(magnitudes, k=k, sorted=False).indices
-
-    return tf.cond(tf.size(candidates) >= k, among_candidates, over_all)
-
-
-def sample_positions(n, size, step):
-    """The `size` positions (of `n`) `largest_magnitudes` samples at `step`."""
-    seed = tf.stack([tf.constant(0x7fd9, tf.int64), tf.cast(step, tf.int64)])
-    return tf.random.stateless_uniform([size], seed, maxval=n, dtype=tf.int32)
-
-
-def dense_of_entries(indices, values, shape, dtype=tf.float32):
-    """A dense tensor of `shape` holding the sum of `values` at flat `indices` (repeats add up).
-
-    Example:
-        >>> dense_of_entries(tf.constant([2, 0, 2]), tf.constant([1.0, 5.0, 2.0]), [2, 2]).numpy().tolist()
-        [[5.0, 0.0], [3.0, 0.0]]
-    """
-    shape = tf.TensorShape(shape)
-    # unsorted_segment_sum adds in index order, as scatter_nd does, at a quarter of its cost
-    # per entry on CPU (120 k entries into 6 M: 14 ms against 38 ms, zero fill included).
-    dense = tf.math.unsorted_segment_sum(tf.cast(values, dtype), indices, shape.num_elements())
-    return tf.reshape(dense, shape)
-
-
 class TopK(Codec):
     """Send the ``ratio`` fraction of entries with the largest magnitude, with int32 indices.
 
@@ -305,38 +251,42 @@ class TopK(Codec):
     def payload_bytes(self, shape):
         return 8 * _k(_numel(shape), self.ratio)  # float32 value + int32 index, once warmed up
 
-    def compress(self, x, step):
+    def compress(self, x, step, minus=None):
+        """`Codec.compress`; of ``x - minus`` when `minus` (of `x`'s shape) is given, without
+        building that difference."""
         flat = tf.reshape(x, [-1])
+        flat_minus = None if minus is None else tf.reshape(minus, [-1])
         k = _k_at(int(flat.shape[0]), self.ratio, self.warmup_steps, step)
-        indices = largest_magnitudes(flat, k, step)
-        return [tf.gather(flat, indices), tf.cast(indices, tf.int32)], (x.shape, x.dtype)
+        indices = largest_magnitudes(flat, k, step, flat_minus)
+        return [entries_at(flat, flat_minus, indices), indices], (x.shape, x.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx
         values, indices = (tf.reshape(p, [-1]) for p in payload)  # All workers' pairs.
         return dense_of_entries(indices, values, shape, dtype)
 
-    def exchange_entries(self, tensors, step, communicator, plain=()):
+    def exchange_entries(self, tensors, step, communicator, plain=(), minus=None):
         """The round of `exchange`, delivered as entries instead of dense tensors.
 
         A caller that adds what arrives to variables can then scale the entries and combine
-        them with its own before building one dense tensor (O(k x workers)), instead of
-        dividing and subtracting dense tensors (a pass over every entry each).
+        them with its own and add them in place (`add_entries`), instead of dividing and
+        subtracting dense tensors (a pass over every entry each). With `minus` (one tensor per
+        tensor), the entries sent are those of ``tensors[i] - minus[i]``, which is never built.
 
         Returns:
             ``(entries, plain_summed)``: per tensor, ``(indices, values, own_indices, own_values)``,
             every worker's flat int32 indices and values, one worker after the other (adding each
-            value at its index, repeats adding up, gives `exchange`'s sum), then this worker's;
-            and the sums of `plain`, as in `exchange`.
+            value at its index, repeats adding up, gives `exchange`'s sum), then this worker's
+            (ascending); and the sums of `plain`, as in `exchange`.
         """
-        compressed = [self.compress(t, step) for t in tensors]
+        minus = [None] * len(tensors) if minus is None else minus
+        compressed = [self.compress(t, step, m) for t, m in zip(tensors, minus)]
         delivered, plain_summed = self._deliver(compressed, communicator, plain)
         entries = []
         for (own_values, own_indices), _ in compressed:
             values, indices = next(delivered), next(delivered)
             entries.append((tf.reshape(indices, [-1]), tf.reshape(values, [-1]), own_indices, own_values))
         return entries, plain_summed
-
 
 
 class RandomK(Codec):

@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from tfdp._compat.tensorflow import local_variable
 from tfdp.compression import RandomK, resolve
-from tfdp.compression.codecs import dense_of_entries
+from tfdp.compression.entries import add_entries
 from tfdp.compression.error_feedback import ErrorFeedback
 from tfdp.reducers.base import GradientReducer, update_group, variable_key
 from tfdp.reducers.optimizer_view import gradient_for_update, next_momentum_buffer
@@ -277,12 +277,12 @@ class CompressedGradients(GradientReducer):
         what arrives, the model by that minus what it sent. Its residual is model minus consensus,
         error feedback without a variable of its own, and no copy of the weights before the step."""
         consensus = [self._consensus(v) for v in variables]
-        ahead = [tf.convert_to_tensor(v) - c for v, c in zip(variables, consensus)]
         self._consensus_variables.update((id(v), (v, c)) for v, c in zip(variables, consensus))
         self._unsettled_steps.assign_add(1)
         if self.codec.exchange_entries is not None and not self.warmup_steps:
-            self._move_by_entries(variables, consensus, ahead)
+            self._move_by_entries(variables, consensus)
             return tf.constant(True)
+        ahead = [tf.convert_to_tensor(v) - c for v, c in zip(variables, consensus)]
         summed, sent = self._exchange(ahead, variables, None, correct=False, feedback=False)
         for variable, agreed, total, own in zip(variables, consensus, summed, sent):
             average = total / self.communicator.size
@@ -290,32 +290,32 @@ class CompressedGradients(GradientReducer):
             variable.assign_add(average - own)
         return tf.constant(True)
 
-    def _move_by_entries(self, variables, consensus, ahead):
+    def _move_by_entries(self, variables, consensus):
         """`_exchange_with_consensus` for a sparsifier: the same sums, built from the entries.
 
-        Scaling the k x workers values that arrived, and appending this worker's own with a
-        minus sign, before building the dense tensors saves the dense division and subtraction
-        (a pass over every entry each) of the general path."""
-        large, small = self._split(ahead)
+        The large tensors' entries are chosen from model and consensus (what the model is ahead
+        is never built dense), and what arrives is scaled (k x workers values), joined by this
+        worker's own with a minus sign, and added into the variables in place."""
+        large, small = self._split(variables)
         step = tf.convert_to_tensor(self._step)
-        entries, summed_small = self.codec.exchange_entries([ahead[i] for i in large], step, self.communicator,
-                                                            plain=[ahead[i] for i in small])
+        small_ahead = [tf.convert_to_tensor(variables[i]) - consensus[i] for i in small]
+        entries, summed_small = self.codec.exchange_entries(
+            [tf.convert_to_tensor(variables[i]) for i in large], step, self.communicator, plain=small_ahead,
+            minus=[tf.convert_to_tensor(consensus[i]) for i in large])
         self._step.assign_add(1)
         size = self.communicator.size
         for i, (indices, values, own_indices, own_values) in zip(large, entries):
-            shape, dtype = variables[i].shape, variables[i].dtype
             average = values / size
-            consensus[i].assign_add(dense_of_entries(indices, average, shape, dtype))
-            variables[i].assign_add(dense_of_entries(tf.concat([indices, own_indices], 0),
-                                                     tf.concat([average, -own_values], 0), shape, dtype))
-        for i, total in zip(small, summed_small):
+            add_entries(consensus[i], indices, average)
+            add_entries(variables[i], tf.concat([indices, own_indices], 0), tf.concat([average, -own_values], 0))
+        for i, ahead, total in zip(small, small_ahead, summed_small):
             average = total / size
             consensus[i].assign_add(average)
-            variables[i].assign_add(average - ahead[i])
+            variables[i].assign_add(average - ahead)
 
     def _split(self, grads):
         """Positions of the gradients large enough to compress, and of the rest."""
-        large = [i for i, g in enumerate(grads) if g.shape.num_elements() * 4 >= self.min_compress_bytes]
+        large = [i for i, g in enumerate(grads) if tf.TensorShape(g.shape).num_elements() * 4 >= self.min_compress_bytes]
         return large, [i for i in range(len(grads)) if i not in large]
 
     def _exchange(self, grads, variables, opt, correct, feedback=True):

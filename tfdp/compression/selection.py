@@ -1,0 +1,147 @@
+"""Top-k selection on CPU: the indices of the k entries of largest magnitude, fast.
+
+`largest_magnitudes` finds them as Deep Gradient Compression does (Lin et al.,
+https://arxiv.org/abs/1712.01887): a sample of 1% estimates a threshold, and only the entries above
+it are ranked. The pass over every entry is one XLA-compiled function (the difference, its
+magnitude and the comparison fused, no tensor of magnitudes written), and so are the gathers
+(TensorFlow's gather kernel costs about 17 ns per index here).
+
+XLA compiles a function once per input shape. Tensors whose length changes from step to step
+(the candidates) are padded to one of 8 lengths per power of two, so a run compiles a few
+shapes per gradient, not one per step.
+
+Example:
+    >>> largest_magnitudes(tf.constant([0.5, -3.0, 2.0, 0.1]), 2).numpy().tolist()
+    [1, 2]
+"""
+
+import tensorflow as tf
+
+#: Below this many entries `tf.math.top_k` over all of them is as fast as sampling first.
+SAMPLED_TOP_K_MIN_ENTRIES = 1 << 16
+
+
+def largest_magnitudes(flat, k, step=0, minus=None):
+    """Indices (int32, ascending) of the `k` entries of the 1-D `flat` with the largest magnitude;
+    of ``flat - minus`` when `minus` is given, without building that difference.
+
+    A random sample of 1% of the entries (`sample_positions`, drawn from `step`) estimates the
+    magnitude above which about 1.5 k entries lie; only those candidates are ranked. The result
+    is the exact top k (the candidates are every entry above a threshold, so when there are at
+    least k of them they hold the k largest); in the rare step where the sample overestimates and
+    fewer than k are found, all entries are ranked. Of entries tied at the k-th largest
+    magnitude, the first ones are taken; NaN counts as the largest, so that a NaN reaches the
+    weights as it would uncompressed.
+
+    Example:
+        >>> largest_magnitudes(tf.constant([0.5, -3.0, 2.0]), 1, minus=tf.constant([0.0, -3.0, 0.0])).numpy()
+        array([2], dtype=int32)
+    """
+    n = int(flat.shape[0])
+
+    def over_all():
+        return _largest_of(tf.range(n), tf.abs(flat if minus is None else flat - minus), k)
+
+    if n < SAMPLED_TOP_K_MIN_ENTRIES:
+        return over_all()
+    sample_size = max(4096, n // 100)
+    sample = magnitudes_at(flat, minus, sample_positions(n, sample_size, step))
+    wanted = tf.cast(tf.math.ceil(1.5 * sample_size * tf.cast(k, tf.float64) / n), tf.int32)
+    threshold = kth_largest(sample, tf.clip_by_value(wanted, 1, sample_size))
+    candidates = tf.cast(tf.where(_magnitude_at_least(flat, minus, threshold))[:, 0], tf.int32)
+
+    def among_candidates():
+        return _largest_of(candidates, magnitudes_at(flat, minus, candidates), k)
+
+    return tf.cond(tf.size(candidates) >= k, among_candidates, over_all)
+
+
+def sample_positions(n, size, step):
+    """The `size` positions (of `n`) `largest_magnitudes` samples at `step`."""
+    seed = tf.stack([tf.constant(0x7fd9, tf.int64), tf.cast(step, tf.int64)])
+    return tf.random.stateless_uniform([size], seed, maxval=n, dtype=tf.int32)
+
+
+def entries_at(flat, minus, indices):
+    """``(flat - minus)[indices]`` (of `flat` alone when `minus` is None), bit for bit, gathered
+    without building the difference."""
+    return _gathered(flat, minus, indices, magnitude=False)
+
+
+def magnitudes_at(flat, minus, indices):
+    """``abs(flat - minus)[indices]``, as `entries_at`."""
+    return _gathered(flat, minus, indices, magnitude=True)
+
+
+def kth_largest(magnitudes, k):
+    """The `k`-th largest of the 1-D `magnitudes` (NaN the largest), 1 <= k <= size.
+
+    Example:
+        >>> float(kth_largest(tf.constant([0.5, 3.0, 2.0, 0.1]), 2))
+        2.0
+    """
+    return tf.reduce_min(tf.math.top_k(_nan_largest(magnitudes), k=k, sorted=False).values)
+
+
+def _largest_of(positions, magnitudes, k):
+    """The `k` of the ascending `positions` whose `magnitudes` are largest, still ascending."""
+    magnitudes = _nan_largest(magnitudes)
+    kth = kth_largest(magnitudes, k)
+    above, tied = magnitudes > kth, magnitudes == kth
+    room = k - tf.reduce_sum(tf.cast(above, tf.int32))
+    chosen = tf.boolean_mask(positions, above | (tied & (tf.cumsum(tf.cast(tied, tf.int32)) <= room)))
+    return tf.ensure_shape(chosen, [k]) if isinstance(k, int) else chosen
+
+
+def _nan_largest(magnitudes):
+    return tf.where(tf.math.is_nan(magnitudes), tf.constant(float("inf"), magnitudes.dtype), magnitudes)
+
+
+def _padded_length(count):
+    """`count` rounded up to a multiple of an eighth of its power of two (at least 8)."""
+    octave = tf.bitwise.left_shift(1, tf.cast(tf.math.floor(tf.math.log(tf.cast(tf.maximum(count, 8), tf.float32))
+                                                           / tf.math.log(2.0)), tf.int32))
+    granule = tf.maximum(octave // 8, 1)
+    return (count + granule - 1) // granule * granule
+
+
+def _gathered(flat, minus, indices, magnitude):
+    count = tf.size(indices)
+    padded = tf.pad(indices, [[0, _padded_length(count) - count]])  # index 0: always in range
+    if minus is None:
+        gathered = _gathered_xla(flat, padded, magnitude)
+    else:
+        gathered = _gathered_difference_xla(flat, minus, padded, magnitude)
+    return tf.ensure_shape(gathered[:count], indices.shape)
+
+
+@tf.function(jit_compile=True)
+def _gathered_xla(flat, indices, magnitude):
+    values = tf.gather(flat, indices)
+    return tf.abs(values) if magnitude else values
+
+
+@tf.function(jit_compile=True)
+def _gathered_difference_xla(flat, minus, indices, magnitude):
+    values = tf.gather(flat, indices) - tf.gather(minus, indices)
+    return tf.abs(values) if magnitude else values
+
+
+def _magnitude_at_least(flat, minus, threshold):
+    if minus is None:
+        return _abs_at_least(flat, threshold)
+    return _abs_difference_at_least(flat, minus, threshold)
+
+
+# XLA fuses each into one pass that writes only the booleans; TensorFlow's kernels would write
+# the difference and the magnitudes first (on 3.9 M entries, with the `tf.where` after it, 4.9 ms
+# against 6.5 ms here).
+@tf.function(jit_compile=True)
+def _abs_at_least(flat, threshold):
+    return (tf.abs(flat) >= threshold) | tf.math.is_nan(flat)
+
+
+@tf.function(jit_compile=True)
+def _abs_difference_at_least(flat, minus, threshold):
+    difference = flat - minus
+    return (tf.abs(difference) >= threshold) | tf.math.is_nan(difference)
