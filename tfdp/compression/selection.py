@@ -3,8 +3,10 @@
 `largest_magnitudes` finds them as Deep Gradient Compression does (Lin et al.,
 https://arxiv.org/abs/1712.01887): a sample of 1% estimates a threshold, and only the entries above
 it are ranked. The pass over every entry is one XLA-compiled function (the difference, its
-magnitude and the comparison fused, no tensor of magnitudes written), and so are the gathers
-(TensorFlow's gather kernel costs about 17 ns per index here).
+magnitude and the comparison fused, no tensor of magnitudes written), and so are the gathers.
+Measured on 3.9 M entries from variables, one thread, medians of 21: the pass with its `tf.where`
+5.6 ms against 6.1 ms with TensorFlow's kernels, the gathers of 59 k candidates from two
+tensors 3.5 against 4.0 ms; the larger saving is the dense difference never built.
 
 XLA compiles a function once per input shape. Tensors whose length changes from step to step
 (the candidates) are padded to one of 8 lengths per power of two, so a run compiles a few
@@ -80,13 +82,17 @@ def kth_largest(magnitudes, k):
         >>> float(kth_largest(tf.constant([0.5, 3.0, 2.0, 0.1]), 2))
         2.0
     """
-    return tf.reduce_min(tf.math.top_k(_nan_largest(magnitudes), k=k, sorted=False).values)
+    return _kth_of(_nan_largest(magnitudes), k)
+
+
+def _kth_of(magnitudes, k):
+    return tf.reduce_min(tf.math.top_k(magnitudes, k=k, sorted=False).values)
 
 
 def _largest_of(positions, magnitudes, k):
     """The `k` of the ascending `positions` whose `magnitudes` are largest, still ascending."""
     magnitudes = _nan_largest(magnitudes)
-    kth = kth_largest(magnitudes, k)
+    kth = _kth_of(magnitudes, k)
     above, tied = magnitudes > kth, magnitudes == kth
     room = k - tf.reduce_sum(tf.cast(above, tf.int32))
     chosen = tf.boolean_mask(positions, above | (tied & (tf.cumsum(tf.cast(tied, tf.int32)) <= room)))
@@ -134,8 +140,7 @@ def _magnitude_at_least(flat, minus, threshold):
 
 
 # XLA fuses each into one pass that writes only the booleans; TensorFlow's kernels would write
-# the difference and the magnitudes first (on 3.9 M entries, with the `tf.where` after it, 4.9 ms
-# against 6.5 ms here).
+# the difference and the magnitudes first.
 @tf.function(jit_compile=True)
 def _abs_at_least(flat, threshold):
     return (tf.abs(flat) >= threshold) | tf.math.is_nan(flat)
