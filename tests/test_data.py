@@ -49,3 +49,85 @@ def test_a_sparse_batch_split_inside_a_traced_step_keeps_its_feature_dimensions(
 
     assert step(batch).shape == (3, 3)  # rows [2, 5) of 5
     assert shapes == [[None, 3]]
+
+
+def tfdp_installed():
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    return hasattr(ArrayDataAdapter.get_tf_dataset, "_tfdp_original")
+
+
+def keras_batches(x, y=None, sample_weight=None, batch_size=32, shuffle=False):
+    """The batches Keras's own pipeline gives (`get_tf_dataset` as Keras wrote it)."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    adapter = ArrayDataAdapter(x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle)
+    keras_own = ArrayDataAdapter.get_tf_dataset._tfdp_original if tfdp_installed() else ArrayDataAdapter.get_tf_dataset
+    return adapter, list(keras_own(adapter).as_numpy_iterator())
+
+
+def assert_same_batches(expected, got):
+    assert len(got) == len(expected)
+    for e, g in zip(expected, got):
+        tf.nest.assert_same_structure(e, g)
+        for a, b in zip(tf.nest.flatten(e), tf.nest.flatten(g)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+
+
+def test_arrays_cut_by_reshape_give_keras_s_own_batches():
+    from keras import tree
+    from keras.src.trainers.data_adapters import array_slicing
+
+    from tfdp.strategies.array_batches import whole_batches
+
+    rng = np.random.default_rng(0)
+    cases = [
+        dict(x=rng.normal(size=(101, 3)).astype("float32"), y=rng.integers(0, 4, 101), batch_size=32),
+        # float64 cast to floatx, dict and list inputs, sample weights, exact batches
+        dict(x={"a": rng.normal(size=(64, 2)), "b": [np.arange(64), np.ones((64, 2, 2), "float16")]},
+             y=np.arange(64.0), sample_weight=np.linspace(0, 1, 64), batch_size=16),
+        dict(x=tf.constant(rng.normal(size=(5, 4)).astype("float32")), y=np.array(list("abcde"), dtype=object), batch_size=8),
+    ]
+    for case in cases:
+        adapter, expected = keras_batches(**case)
+        inputs = tree.lists_to_tuples(array_slicing.convert_to_sliceable(adapter._inputs, target_backend="tensorflow"))
+        batches = whole_batches(inputs, adapter._batch_size)
+        assert_same_batches(expected, list(batches.as_numpy_iterator()))
+        keras_own = type(adapter).get_tf_dataset._tfdp_original if tfdp_installed() else type(adapter).get_tf_dataset
+        assert batches.element_spec == keras_own(adapter).element_spec  # steps trace as under Keras
+    # Negative control: shuffled batches are not Keras's unshuffled ones.
+    _, shuffled = keras_batches(**cases[0], shuffle=True)
+    with np.testing.assert_raises(AssertionError):
+        assert_same_batches(keras_batches(**cases[0])[1], shuffled)
+    # Sparse inputs are left to Keras's pipeline.
+    assert whole_batches((tf.sparse.from_dense(np.eye(4, dtype="float32")),), 2) is None
+
+
+def dataset_kinds(dataset):
+    """Class names of `dataset` and every dataset it reads from."""
+    kinds, stack = [], [dataset]
+    while stack:
+        ds = stack.pop()
+        kinds.append(type(ds).__name__)
+        stack.extend(ds._inputs())
+    return kinds
+
+
+def test_fit_under_tfdp_cuts_unshuffled_arrays_and_leaves_shuffled_ones_to_keras():
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    import tfdp
+
+    x, y = np.arange(40.0).reshape(20, 2).astype("float32"), np.arange(20.0)
+    strategy = tfdp.MirroredStrategy()
+
+    def kinds(shuffle, distribute_strategy):
+        iterator = TFEpochIterator(x=x, y=y, batch_size=8, shuffle=shuffle, distribute_strategy=distribute_strategy)
+        return dataset_kinds(iterator._distributed_dataset)
+
+    assert "_TensorSliceDataset" in kinds(False, strategy)
+    assert not any("Map" in kind for kind in kinds(False, strategy))
+    # Controls: shuffled arrays, and arrays without a tfdp strategy, keep Keras's mapped pipeline.
+    assert "_ParallelMapDataset" in kinds(True, strategy)
+    assert "_ParallelMapDataset" in kinds(False, tf.distribute.get_strategy())

@@ -1206,10 +1206,10 @@ def _patch_epoch_iterator():
     def __init__(self, distribute_strategy=None, *args, **kwargs):
         # The dataset stays whole: each step takes its rows (no per-fit dataset map to trace
         # and instantiate; that cost 25-45 ms of every `fit` call on the `make bench` MLP).
-        with _flag("distributing_for_keras"):
+        hooks = _strategy_hooks(distribute_strategy)
+        with _flag("distributing_for_keras"), _flag("arrays_by_reshape", hooks is not None):
             original_init(self, distribute_strategy, *args, **kwargs)
         self._tfdp_each_step = False
-        hooks = _strategy_hooks(distribute_strategy)
         if hooks is None:
             return
         hooks.check_batch_size(getattr(self.data_adapter, "batch_size", None))
@@ -1245,6 +1245,33 @@ def _patch_epoch_iterator():
     __next__._tfdp_original = original_next
     tf_trainer.TFEpochIterator.__init__ = __init__
     tf_trainer.TFEpochIterator.__next__ = __next__
+
+
+def _patch_array_batches():
+    # keras/src/trainers/data_adapters/array_data_adapter.py: `get_tf_dataset` traces three
+    # functions and starts a parallel gather for every `fit`, `evaluate` and `predict` call on
+    # arrays. Under a tfdp strategy, unshuffled arrays are cut into the same batches by reshape
+    # (`whole_batches`); shuffled ones keep Keras's pipeline, whose permutation ranks share
+    # through TF's global seed and which one process would draw alike.
+    from keras import tree
+    from keras.src.trainers.data_adapters import array_slicing
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    from tfdp.strategies.array_batches import whole_batches
+
+    original = ArrayDataAdapter.get_tf_dataset
+
+    @functools.wraps(original)
+    def get_tf_dataset(self):
+        if getattr(_state, "arrays_by_reshape", False) and not self._shuffle:
+            inputs = array_slicing.convert_to_sliceable(self._inputs, target_backend="tensorflow")
+            batches = whole_batches(tree.lists_to_tuples(inputs), self._batch_size)
+            if batches is not None:
+                return batches
+        return original(self)
+
+    get_tf_dataset._tfdp_original = original
+    ArrayDataAdapter.get_tf_dataset = get_tf_dataset
 
 
 def _patch_batch_norm_moments():
@@ -1371,6 +1398,7 @@ def install():
     _patch_symbolic_build()
     _patch_callbacks()
     _patch_epoch_iterator()
+    _patch_array_batches()
     _patch_on_batch()
     _patch_step_function("train")
     _patch_step_function("test")
@@ -1396,6 +1424,7 @@ def hooked_functions():
     from keras.src.optimizers import base_optimizer, loss_scale_optimizer, multi_optimizer
     from keras.src.saving import saving_api
     from keras.src.trainers import trainer
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
     return [
         (base_optimizer.BaseOptimizer, "_clip_gradients"),
@@ -1411,6 +1440,7 @@ def hooked_functions():
         (callback_list.CallbackList, "__init__"),
         (tf_trainer.TFEpochIterator, "__init__"),
         (tf_trainer.TFEpochIterator, "__next__"),
+        (ArrayDataAdapter, "get_tf_dataset"),
         (tf_trainer.TensorFlowTrainer, "test_on_batch"),
         (tf_trainer.TensorFlowTrainer, "predict_on_batch"),
         (tf_trainer.TensorFlowTrainer, "make_train_function"),
