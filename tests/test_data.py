@@ -57,13 +57,18 @@ def tfdp_installed():
     return hasattr(ArrayDataAdapter.get_tf_dataset, "_tfdp_original")
 
 
+def keras_own_dataset(adapter):
+    """`get_tf_dataset` as Keras wrote it, whether or not tfdp's hook is installed."""
+    method = type(adapter).get_tf_dataset
+    return (method._tfdp_original if tfdp_installed() else method)(adapter)
+
+
 def keras_batches(x, y=None, sample_weight=None, batch_size=32, shuffle=False):
-    """The batches Keras's own pipeline gives (`get_tf_dataset` as Keras wrote it)."""
+    """The batches Keras's own pipeline gives."""
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
     adapter = ArrayDataAdapter(x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle)
-    keras_own = ArrayDataAdapter.get_tf_dataset._tfdp_original if tfdp_installed() else ArrayDataAdapter.get_tf_dataset
-    return adapter, list(keras_own(adapter).as_numpy_iterator())
+    return adapter, list(keras_own_dataset(adapter).as_numpy_iterator())
 
 
 def assert_same_batches(expected, got):
@@ -94,8 +99,7 @@ def test_arrays_cut_by_reshape_give_keras_s_own_batches():
         inputs = tree.lists_to_tuples(array_slicing.convert_to_sliceable(adapter._inputs, target_backend="tensorflow"))
         batches = whole_batches(inputs, adapter._batch_size)
         assert_same_batches(expected, list(batches.as_numpy_iterator()))
-        keras_own = type(adapter).get_tf_dataset._tfdp_original if tfdp_installed() else type(adapter).get_tf_dataset
-        assert batches.element_spec == keras_own(adapter).element_spec  # steps trace as under Keras
+        assert batches.element_spec == keras_own_dataset(adapter).element_spec  # steps trace as under Keras
     # Negative control: shuffled batches are not Keras's unshuffled ones.
     _, shuffled = keras_batches(**cases[0], shuffle=True)
     with np.testing.assert_raises(AssertionError):
