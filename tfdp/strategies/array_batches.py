@@ -31,8 +31,9 @@ def whole_batches(inputs, batch_size):
     """Return a dataset of the consecutive `batch_size`-row batches of `inputs`, or None.
 
     The last batch holds the remaining rows. The element spec is Keras's: the batch dimension is
-    known when every batch is full, unknown when the last one is not. None when a leaf of `inputs` is not a dense NumPy array
-    or tensor (sparse, ragged, object arrays): Keras's pipeline handles those.
+    known when every batch is full, unknown when the last one is not. None when a leaf of
+    `inputs` is not a dense NumPy array or tensor (sparse, ragged, object arrays): Keras's
+    pipeline handles those.
 
     Args:
         inputs: a nest (tuples, dicts) of arrays or tensors with the same number of rows.
