@@ -16,6 +16,7 @@ from tfdp.compression.codecs import pack_signs, unpack_signs
 import keras
 
 from tfdp.compression.entries import add_entries
+from tfdp.compression import selection
 from tfdp.compression.selection import entries_at, largest_magnitudes, sample_positions
 from tfdp.reducers import CompressedGradients, ReducerState
 
@@ -102,6 +103,34 @@ def test_sampled_threshold_top_k_falls_back_when_the_sample_overestimates():
     assert threshold_count < k  # the candidates would be too few: the fallback must run
     expected = np.sort(np.argpartition(-flat, k)[:k])
     np.testing.assert_array_equal(np.sort(largest_magnitudes(tf.constant(flat), k, 0).numpy()), expected)
+
+
+def test_the_candidates_gather_keeps_one_shape_from_step_to_step(monkeypatch):
+    # Each new shape is an XLA compilation (about 50 ms): the candidates' count changes every
+    # step, their padded length must not. The CNN's dense kernel: 294,912 entries, a sample of
+    # 4,096, so the count varies by about 13% around 1.5 k.
+    n, k = 294_912, 2950
+    rng = np.random.default_rng(11)
+    lengths = []
+    gathered = selection._gathered
+
+    def spy(flat, minus, indices, magnitude, at_least=0):
+        count = tf.size(indices)
+        lengths.append((int(count), int(selection._padded_length(count, at_least)),
+                        int(selection._padded_length(count))))
+        return gathered(flat, minus, indices, magnitude, at_least)
+
+    monkeypatch.setattr(selection, "_gathered", spy)
+    traces = selection._gathered_xla.experimental_get_tracing_count()
+    for step in range(12):
+        flat = rng.standard_t(3, size=n).astype("float32")
+        expected = np.sort(np.argpartition(-np.abs(flat), k)[:k])
+        np.testing.assert_array_equal(largest_magnitudes(tf.constant(flat), k, step).numpy(), expected)
+    candidates = [(c, padded, eighths) for c, padded, eighths in lengths if c != 4096]  # not the sample
+    assert len(candidates) == 12 and max(c for c, _, _ in candidates) <= 2 * k
+    assert {padded for _, padded, _ in candidates} == {2 * k}
+    assert len({eighths for _, _, eighths in candidates}) >= 3  # the control: 8 lengths per octave
+    assert selection._gathered_xla.experimental_get_tracing_count() - traces <= 2  # the sample's, the candidates'
 
 
 @pytest.mark.parametrize("n", [5_000, 300_000])
