@@ -147,12 +147,17 @@ def test_top_k_of_a_difference_is_the_top_k_of_the_tensor_it_never_builds(n):
         np.testing.assert_array_equal(values, difference[found])  # bit for bit
 
 
-def test_top_k_takes_the_first_of_tied_entries_and_counts_nan_as_largest():
-    flat = np.ones(100_000, np.float32)
-    flat[[7, 99_000]] = 2.0
-    np.testing.assert_array_equal(largest_magnitudes(tf.constant(flat), 5).numpy(), [0, 1, 2, 7, 99_000])
+@pytest.mark.parametrize("n", [100_000, 30_000])  # sampled; top_k over all entries
+def test_top_k_takes_the_first_of_tied_entries_and_counts_nan_as_largest(n):
+    flat = np.ones(n, np.float32)
+    flat[[7, n - 1000]] = 2.0
+    np.testing.assert_array_equal(largest_magnitudes(tf.constant(flat), 5).numpy(), [0, 1, 2, 7, n - 1000])
+    minus = np.zeros(n, np.float32)
+    minus[[1, 2]] = 1.0  # of the difference: those two are 0 now, and no longer among the first tied
+    np.testing.assert_array_equal(largest_magnitudes(tf.constant(flat), 5, minus=tf.constant(minus)).numpy(),
+                                  [0, 3, 4, 7, n - 1000])
     flat[50] = np.nan
-    np.testing.assert_array_equal(largest_magnitudes(tf.constant(flat), 3).numpy(), [7, 50, 99_000])
+    np.testing.assert_array_equal(largest_magnitudes(tf.constant(flat), 3).numpy(), [7, 50, n - 1000])
 
 
 @pytest.mark.parametrize("make", [tf.Variable, keras.Variable], ids=["tf", "keras"])
