@@ -125,14 +125,18 @@ def submission_leads_ms(trace):
 @pytest.mark.full
 def test_the_first_buckets_are_submitted_while_backprop_goes_on(tmp_path):
     leads = {}
-    for threads in ("2", "1"):  # 1 inter-op thread: the negative control (no overlap)
-        trace = tmp_path / f"timeline-{threads}.json"
-        assert_ok(run_workers("overlap.py", 2, ["--out", tmp_path], timeout=240,
+    for case, extra in (("buckets", []), ("after backprop", ["--after-backprop"])):
+        trace = tmp_path / f"timeline-{case.replace(' ', '-')}.json"
+        assert_ok(run_workers("overlap.py", 2, ["--out", tmp_path, *extra], timeout=240,
                               env={"HOROVOD_TIMELINE": str(trace), "TF_NUM_INTRAOP_THREADS": "1",
-                                   "TF_NUM_INTEROP_THREADS": threads}))
-        leads[threads] = float(np.median(submission_leads_ms(trace)))
-    print("median ms from the dense kernel's submission to the conv bucket's, by inter-op threads:", leads)
+                                   "TF_NUM_INTEROP_THREADS": "2"}))
+        leads[case] = submission_leads_ms(trace)
+    early = {case: sum(lead >= 5.0 for lead in steps) / len(steps) for case, steps in leads.items()}
+    print("ms from the dense kernel's submission to the conv bucket's, per step:", leads, "share >= 5 ms:", early)
     # The conv layers' backprop (about two thirds of the CNN's 30-60 ms step on this machine)
-    # runs between the two submissions; with one thread both wait for the end of backprop.
-    assert leads["2"] >= 5.0, leads
-    assert abs(leads["1"]) < 2.0, leads
+    # runs between the two submissions. TensorFlow's executor does not start the dense kernel's
+    # all-reduce at once in every step: on stop 40's machine the leads were 0 or 11-38 ms step by
+    # step (docs/results.md), so the test counts the steps that overlap.
+    # The control waits for the last gradient by construction, on any machine and scheduler.
+    assert early["buckets"] >= 1 / 3, leads
+    assert early["after backprop"] <= 0.1, leads
