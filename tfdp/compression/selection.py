@@ -49,8 +49,7 @@ def largest_magnitudes(flat, k, step=0, minus=None):
     def over_all():
         # top_k takes the lower index of tied entries (sorted=True), as `_largest_of` does.
         magnitudes = _nan_largest(tf.abs(flat if minus is None else flat - minus))
-        chosen = tf.sort(tf.math.top_k(magnitudes, k, sorted=True).indices)
-        return tf.ensure_shape(chosen, [k]) if isinstance(k, int) else chosen
+        return _of_length(tf.sort(tf.math.top_k(magnitudes, k, sorted=True).indices), k)
 
     if n < SAMPLED_TOP_K_MIN_ENTRIES:
         return over_all()
@@ -103,7 +102,11 @@ def _largest_of(positions, magnitudes, k):
     kth = _kth_of(magnitudes, k)
     above, tied = magnitudes > kth, magnitudes == kth
     room = k - tf.reduce_sum(tf.cast(above, tf.int32))
-    chosen = tf.boolean_mask(positions, above | (tied & (tf.cumsum(tf.cast(tied, tf.int32)) <= room)))
+    return _of_length(tf.boolean_mask(positions, above | (tied & (tf.cumsum(tf.cast(tied, tf.int32)) <= room))), k)
+
+
+def _of_length(chosen, k):
+    """`chosen`, with its static length `k` when `k` is a Python int (after any warm-up)."""
     return tf.ensure_shape(chosen, [k]) if isinstance(k, int) else chosen
 
 
