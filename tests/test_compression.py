@@ -17,7 +17,7 @@ import keras
 
 from tfdp.compression.entries import add_entries
 from tfdp.compression import selection
-from tfdp.compression.selection import entries_at, largest_magnitudes, sample_positions
+from tfdp.compression.selection import entries_at, largest_entries, largest_magnitudes, sample_positions
 from tfdp.reducers import CompressedGradients, ReducerState
 
 
@@ -145,6 +145,13 @@ def test_top_k_of_a_difference_is_the_top_k_of_the_tensor_it_never_builds(n):
         np.testing.assert_array_equal(found, expected)  # ascending, as returned
         values = entries_at(tf.constant(a), tf.constant(b), tf.constant(found)).numpy()
         np.testing.assert_array_equal(values, difference[found])  # bit for bit
+        # Both at once (one XLA call below 65,536 entries): the same entries, the same bits.
+        values, indices = largest_entries(tf.constant(a), k, step, minus=tf.constant(b))
+        np.testing.assert_array_equal(indices.numpy(), found)
+        np.testing.assert_array_equal(values.numpy(), difference[found])
+        values, indices = largest_entries(tf.constant(a), k, step)
+        np.testing.assert_array_equal(indices.numpy(), np.sort(np.argpartition(-np.abs(a), k)[:k]))
+        np.testing.assert_array_equal(values.numpy(), a[indices.numpy()])
 
 
 @pytest.mark.parametrize("n", [100_000, 30_000])  # sampled; top_k over all entries

@@ -22,7 +22,7 @@ import math
 import tensorflow as tf
 
 from tfdp.compression.entries import dense_of_entries
-from tfdp.compression.selection import entries_at, largest_magnitudes
+from tfdp.compression.selection import largest_entries
 
 
 def _check_ratio(ratio):
@@ -257,8 +257,8 @@ class TopK(Codec):
         flat = tf.reshape(x, [-1])
         flat_minus = None if minus is None else tf.reshape(minus, [-1])
         k = _k_at(int(flat.shape[0]), self.ratio, self.warmup_steps, step)
-        indices = largest_magnitudes(flat, k, step, flat_minus)
-        return [entries_at(flat, flat_minus, indices), indices], (x.shape, x.dtype)
+        values, indices = largest_entries(flat, k, step, flat_minus)
+        return [values, indices], (x.shape, x.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx

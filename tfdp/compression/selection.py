@@ -45,6 +45,8 @@ def largest_magnitudes(flat, k, step=0, minus=None):
         array([2], dtype=int32)
     """
     n = int(flat.shape[0])
+    if n < SAMPLED_TOP_K_MIN_ENTRIES and isinstance(k, int):
+        return largest_entries(flat, k, step, minus)[1]
 
     def over_all():
         # top_k takes the lower index of tied entries (sorted=True), as `_largest_of` does.
@@ -63,6 +65,42 @@ def largest_magnitudes(flat, k, step=0, minus=None):
         return _largest_of(candidates, _gathered(flat, minus, candidates, True, at_least=2 * k), k)
 
     return tf.cond(tf.size(candidates) >= k, among_candidates, over_all)
+
+
+def largest_entries(flat, k, step=0, minus=None):
+    """``(values, indices)``: the `k` entries of `largest_magnitudes` and their values, as
+    `entries_at` gives them.
+
+    Below `SAMPLED_TOP_K_MIN_ENTRIES` entries, with `k` a Python int, this is one XLA-compiled
+    call (magnitudes, `top_k`, sort, gather): 0.94 against 1.57 ms for the three calls it
+    replaces, at 32,768 entries and k = 328, medians of 500 calls.
+
+    Example:
+        >>> [t.numpy().tolist() for t in largest_entries(tf.constant([0.5, -3.0, 2.0]), 2)]
+        [[-3.0, 2.0], [1, 2]]
+    """
+    if int(flat.shape[0]) < SAMPLED_TOP_K_MIN_ENTRIES and isinstance(k, int):
+        if minus is None:
+            return _top_k_entries_xla(flat, k)
+        return _top_k_difference_entries_xla(flat, minus, k)
+    indices = largest_magnitudes(flat, k, step, minus)
+    return entries_at(flat, minus, indices), indices
+
+
+def _top_k_entries_of(entries, k):
+    # top_k takes the lower index of tied entries (sorted=True), as `_largest_of` does.
+    indices = tf.sort(tf.math.top_k(_nan_largest(tf.abs(entries)), k, sorted=True).indices)
+    return tf.gather(entries, indices), indices
+
+
+@tf.function(jit_compile=True)
+def _top_k_entries_xla(flat, k):
+    return _top_k_entries_of(flat, k)
+
+
+@tf.function(jit_compile=True)
+def _top_k_difference_entries_xla(flat, minus, k):
+    return _top_k_entries_of(flat - minus, k)
 
 
 def sample_positions(n, size, step):
