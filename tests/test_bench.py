@@ -155,15 +155,21 @@ def test_balanced_without_a_slow_worker_keeps_equal_shares_and_sync_speed(tmp_pa
 
 def test_paired_presets_benchmark_times_each_preset_in_the_same_blocks_as_sync(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "paired_presets.py")
-    out = subprocess.run([sys.executable, script, "--presets", "sync", "fp16", "--blocks", "2",
+    out = subprocess.run([sys.executable, script, "--presets", "sync", "fp16", "auto", "--blocks", "2",
                           "--json", str(tmp_path / "paired.json")], capture_output=True, text=True, timeout=600,
                          env={**os.environ, **QUIET_ENV})
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((tmp_path / "paired.json").read_text())
     seconds = report["seconds_per_step"]
-    assert len(seconds["sync"]) == len(seconds["fp16"]) == 2  # one median per block, the slower rank's
-    assert all(0 < s < 1 for s in seconds["sync"] + seconds["fp16"])
+    assert len(seconds["sync"]) == len(seconds["fp16"]) == len(seconds["auto"]) == 2  # a median per block
+    assert all(0 < s < 1 for s in seconds["sync"] + seconds["fp16"] + seconds["auto"])
     assert report["ratio_to_baseline"]["sync"] == 1.0
     ratios = sorted(f / s for f, s in zip(seconds["fp16"], seconds["sync"]))
     assert report["ratio_to_baseline"]["fp16"] == pytest.approx((ratios[0] + ratios[1]) / 2)
     assert "| fp16 |" in out.stdout
+    # auto picked one of its candidates in the same processes, and is set against the faster of
+    # sync and fp16 block by block.
+    assert report["picked"]["auto"] in ("sync", "fp16", "bf16", "qsgd", "topk-1pct", "efsign", "powersgd-r4")
+    assert f"| auto (ran {report['picked']['auto']}) |" in out.stdout
+    against_fastest = sorted(a / min(s, f) for a, s, f in zip(seconds["auto"], seconds["sync"], seconds["fp16"]))
+    assert report["auto_vs_fastest"] == pytest.approx(sum(against_fastest) / 2)

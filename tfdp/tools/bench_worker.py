@@ -129,6 +129,14 @@ def _collective_latency(strategy, repeats=9):
     return allreduce_seconds(communicator, 1, repeats=repeats)
 
 
+def settling_steps(strategy, preset):
+    """Steps before `preset` (its `strategy`) runs in its steady state: its own dense warm-up steps,
+    and auto's measured steps too."""
+    if isinstance(strategy, tfdp.AutoStrategy):
+        return strategy.settling_steps()
+    return tfdp.presets.load_variant(preset)["options"].get("warmup_steps", 0)
+
+
 def run(preset, workload, params, batch_size, steps, warmup_steps, target_accuracy=0.95, epochs=20,
         optimizer="sgd", meet=alone):
     """Train `workload` with preset `preset`; return the timing summary (a dict).
@@ -140,9 +148,7 @@ def run(preset, workload, params, batch_size, steps, warmup_steps, target_accura
     """
     slowdown = apply_from_env()  # before any work: the whole process computes FACTOR times slower
     strategy = tfdp.strategy(preset)
-    # A preset's own dense warm-up steps (auto: its measured steps too) are not its steady state.
-    warmup_steps += (strategy.settling_steps() if isinstance(strategy, tfdp.AutoStrategy)
-                     else tfdp.presets.load_variant(preset)["options"].get("warmup_steps", 0))
+    warmup_steps += settling_steps(strategy, preset)
     keras.utils.set_random_seed(0)
     probe = StepProbe(strategy, warmup_steps, meet)
     if workload == "digits":
