@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 
 .PHONY: setup digits test test-full test-unit bench bench-compression bench-async bench-hosts bench-balance bench-zero1 \
-	bench-overlap bench-overlap-shared bench-compressor-speed bench-loopback-presets
+	bench-overlap bench-overlap-shared bench-compressor-speed bench-loopback-presets bench-auto-hosts
 setup:
 	bash tools/setup_env.sh
 
@@ -83,3 +83,14 @@ bench-compressor-speed: setup
 # The compressed presets against sync on loopback, the digits conv net, alternating in the same processes.
 bench-loopback-presets: setup
 	$(PY) benchmarks/paired_presets.py
+
+# auto against the presets it picks among (root): the CNN and the 6 M-parameter MLP on 2 emulated hosts at
+# 100 and 1000 Mbit/s, every preset in the same processes in alternating blocks.
+AUTO_PRESETS := sync topk-1pct powersgd-r4 auto
+bench-auto-hosts: setup
+	for rate in 100 1000; do \
+		$(PY) benchmarks/paired_presets.py --presets $(AUTO_PRESETS) --workload cnn --batch-size 64 --steps 20 \
+			--blocks 15 --rate-mbit $$rate --json $(RESULTS)/paired-hosts-$${rate}mbit-cnn.json || exit 1; \
+		$(PY) benchmarks/paired_presets.py --presets $(AUTO_PRESETS) --workload mlp --params 6e6 --batch-size 16 \
+			--steps 8 --blocks 9 --rate-mbit $$rate --json $(RESULTS)/paired-hosts-$${rate}mbit-6M.json || exit 1; \
+	done
