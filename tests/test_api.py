@@ -155,11 +155,13 @@ def test_strategy_rejects_non_bool_global_step_logs():
 
 
 @pytest.mark.multiprocess
-def test_tfdp_run_hands_the_preset_to_every_worker():
-    code = "import os; print('preset=' + os.environ['TFDP_STRATEGY'], os.environ['HOROVOD_RANK'])"
+def test_tfdp_run_hands_the_preset_to_every_worker(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os; print('preset=' + os.environ['TFDP_STRATEGY'], os.environ['HOROVOD_RANK'])\n")
+    # Typed as for horovodrun, interpreter first: the interpreter named runs the script.
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "tfdp"), "run", "-np", "2", "--strategy", "sync", sys.executable, "-c",
-         code],
+        [str(Path(sys.executable).parent / "tfdp"), "run", "-np", "2", "--strategy", "sync", sys.executable,
+         str(script)],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -246,6 +248,20 @@ def test_loopback_host_name_in_a_multi_host_job_is_named_before_gloo_fails():
     # ...but hosts given by address or as localhost (one machine under several names) are fine.
     for local in ("localhost", "127.0.0.1", "10.0.0.7"):
         assert loopback_host_problem({"HOROVOD_CROSS_SIZE": "3", "HOROVOD_HOSTNAME": local}, **lookups) is None
+
+
+@pytest.mark.parametrize("passthrough, expected", [
+    (["train.py", "--out", "x.py"], ([], ["<this python>", "train.py", "--out", "x.py"])),
+    (["--gloo", "train.py"], (["--gloo"], ["<this python>", "train.py"])),
+    (["python", "train.py"], ([], ["python", "train.py"])),
+    (["--gloo", "/usr/bin/python3.11", "-u", "train.py"], (["--gloo"], ["/usr/bin/python3.11", "-u", "train.py"])),
+    (["python", "-c", "print(1)"], (["python", "-c", "print(1)"], [])),  # no script: all to horovodrun
+])
+def test_tfdp_run_runs_a_script_with_the_interpreter_named_before_it_or_its_own(passthrough, expected):
+    from tfdp.tools.cli import split_command
+
+    flags, command = expected
+    assert split_command(passthrough) == (flags, [sys.executable if c == "<this python>" else c for c in command])
 
 
 def test_tfdp_run_refuses_a_multi_host_job_from_a_loopback_host_name(capsys, monkeypatch):

@@ -151,6 +151,26 @@ def _timeline(args):
     return 0
 
 
+def split_command(passthrough):
+    """``(horovodrun's flags, the workers' command)`` of what follows ``tfdp run``'s own flags.
+
+    A script (``train.py``) runs with this Python, the one tfdp is installed in, unless a Python
+    interpreter is named before it, as for horovodrun (``python train.py``, ``python3 -u
+    train.py``). Without a script, everything passes through to horovodrun.
+
+    Example:
+        >>> split_command(["--gloo", "python3", "-u", "train.py", "--epochs", "2"])
+        (['--gloo'], ['python3', '-u', 'train.py', '--epochs', '2'])
+    """
+    scripts = [i for i, arg in enumerate(passthrough) if arg.endswith(".py")]
+    if not scripts:
+        return list(passthrough), []
+    named = [i for i, arg in enumerate(passthrough[:scripts[0]]) if Path(arg).name.startswith("python")]
+    if named:
+        return list(passthrough[:named[0]]), list(passthrough[named[0]:])
+    return list(passthrough[:scripts[0]]), [sys.executable, *passthrough[scripts[0]:]]
+
+
 def _run(args, passthrough):
     import socket
 
@@ -169,11 +189,7 @@ def _run(args, passthrough):
             raise ValueError(f"--timeline {args.timeline}: the folder {folder} does not exist; create it first.")
         os.environ["HOROVOD_TIMELINE"] = str(Path(args.timeline).resolve())  # written by rank 0's Horovod
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    scripts = [i for i, arg in enumerate(passthrough) if arg.endswith(".py")]
-    if scripts:  # Run the script with this Python, the one tfdp is installed in.
-        passthrough = [*passthrough[: scripts[0]], sys.executable, *passthrough[scripts[0]:]]
-    first = scripts[0] if scripts else len(passthrough)
-    horovodrun_args, command = passthrough[:first], passthrough[first:]
+    horovodrun_args, command = split_command(passthrough)
     argv = horovodrun_command(command, args.np, args.hosts, horovodrun_args)
     os.execv(argv[0], argv)  # horovodrun takes over this process: signals and exit code are its own.
 
