@@ -19,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
 from tfdp.tools import workloads  # noqa: E402
-from tfdp.tools.bench_worker import settling_steps  # noqa: E402
+from tfdp.tools.bench_worker import build_synthetic, settling_steps  # noqa: E402
 
 
 class StepClock(keras.callbacks.Callback):
@@ -39,12 +39,9 @@ def _digits(repeats):
 
 
 def _synthetic(workload, params, rows):
-    """`tfdp bench`'s synthetic `workload` (momentum-free SGD at 1e-3, as there) and `rows` random rows."""
+    """A builder of `tfdp bench`'s synthetic `workload` (SGD, as there) and `rows` random rows."""
     def build():
-        model = workloads.SYNTHETIC[workload](params)
-        model.compile(optimizer=keras.optimizers.SGD(1e-3), jit_compile=False,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+        return build_synthetic(workload, params)
 
     x, y = workloads.synthetic_data(build(), rows)
     return build, x, y
@@ -107,7 +104,8 @@ def main():
         shift = block % len(names)  # rotate the order: no preset always runs first
         for name in names[shift:] + names[:shift]:
             seconds[name].append(trainers[name].block())
-    picked = {name: trainer.picked() for name, trainer in trainers.items() if trainer.picked()}
+    picked = {name: trainer.picked() for name, trainer in trainers.items()}
+    picked = {name: pick for name, pick in picked.items() if pick}
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"seconds": seconds, "picked": picked}, f)

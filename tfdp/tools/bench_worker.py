@@ -68,11 +68,18 @@ class StepProbe(keras.callbacks.Callback):
 OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(1e-3), "adam": lambda: keras.optimizers.Adam(1e-4)}
 
 
+def build_synthetic(workload, params, optimizer="sgd"):
+    """`tfdp bench`'s synthetic `workload` (``"mlp"`` of about `params` parameters, or ``"cnn"``),
+    compiled with `optimizer` (a key of `OPTIMIZERS`)."""
+    model = workloads.SYNTHETIC[workload](params)
+    model.compile(optimizer=OPTIMIZERS[optimizer](), jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def _train_synthetic(strategy, workload, params, batch_size, total_steps, probe, optimizer="sgd", meet=alone):
     with strategy.scope():
-        model = workloads.SYNTHETIC[workload](params)
-        model.compile(optimizer=OPTIMIZERS[optimizer](), jit_compile=False,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = build_synthetic(workload, params, optimizer)
     # `batch_size` is per worker, so every job does the same work per worker and step.
     global_batch = batch_size * strategy.num_replicas_in_sync
     x, y = workloads.synthetic_data(model, total_steps * global_batch)
