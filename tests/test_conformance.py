@@ -6,7 +6,7 @@ under `tf.distribute.MirroredStrategy` on two logical CPUs, and under
 process, or tf.distribute where Keras defines the result by it) within 1e-5 relative, in
 weights, History, evaluate and predict, with both ranks reporting the same numbers. The
 table of all programs is written to ``conformance.md`` in the test's output folder and
-printed with ``pytest -s``. The quick tier runs 32 of the 74 programs (`FULL_TIER_ONLY`
+printed with ``pytest -s``. The quick tier runs 35 of the 81 programs (`FULL_TIER_ONLY`
 names the others, each a variant of a quick one); the full tier runs all.
 """
 
@@ -34,19 +34,20 @@ MIRRORED_HERE = [n for n, (_, reference) in PROGRAMS.items() if reference == "tf
 # weighting, optimizer, callback, RNN or seed): the quick tier leaves them to the full tier,
 # which runs every program (the quick tier measured 804 s with all 61, 715 s with 43, stop 27;
 # 775 s with 50 of 74, stop 44, when 18 more went to the full tier).
-FULL_TIER_ONLY = {"schedule_free_adamw", "lstm_sequences", "tf_data_sample_weights_validation_freq",
-                  "compute_loss_calls_super", "subclassed_model", "batch_callback_stops_training",
-                  "best_checkpoint_loaded_on_every_rank", "batchnorm_rank_without_rows", "loss_scale_optimizer",
-                  "normalization_adapted_in_scope", "custom_loss_function", "ragged_inputs",
-                  "freeze_and_recompile_outside_scope", "multi_optimizer_made_outside_scope", "custom_predict_step",
-                  "layer_state_summed_in_step", "multi_output_loss_weights", "seed_before_strategy",
-"numpy_shuffled", "list_inputs", "class_weight", "tf_data_repeat_steps_per_epoch",
-                  "embedding_sparse_gradients_momentum_sgd", "custom_test_step_flat", "batchnorm_per_replica",
-                  "gru_masked_embedding", "conv1d_text", "shared_layer_two_inputs", "nesterov_clipnorm", "clipvalue",
-                  "adamw_lr_schedule", "ema_weights", "seed_after_strategy", "fit_again_from_initial_epoch",
-                  "epoch_callbacks", "auc_precision_recall", "py_dataset", "tf_data_shuffle_prefetch",
-                  "tf_data_filter_unknown_cardinality", "string_inputs_string_lookup",
-                  "jit_compile_requested", "attention_block_adamw"}
+FULL_TIER_ONLY = {"weighted_validation_with_its_own_batch_size", "time_distributed_and_lambda",
+                  "nested_outputs_with_metrics_per_output", "mixed_bfloat16", "schedule_free_adamw",
+                  "lstm_sequences", "tf_data_sample_weights_validation_freq", "compute_loss_calls_super",
+                  "subclassed_model", "batch_callback_stops_training", "best_checkpoint_loaded_on_every_rank",
+                  "batchnorm_rank_without_rows", "loss_scale_optimizer", "normalization_adapted_in_scope",
+                  "custom_loss_function", "ragged_inputs", "freeze_and_recompile_outside_scope",
+                  "multi_optimizer_made_outside_scope", "custom_predict_step", "layer_state_summed_in_step",
+                  "multi_output_loss_weights", "seed_before_strategy", "numpy_shuffled", "list_inputs",
+                  "class_weight", "tf_data_repeat_steps_per_epoch", "embedding_sparse_gradients_momentum_sgd",
+                  "custom_test_step_flat", "batchnorm_per_replica", "gru_masked_embedding", "conv1d_text",
+                  "shared_layer_two_inputs", "nesterov_clipnorm", "clipvalue", "adamw_lr_schedule", "ema_weights",
+                  "seed_after_strategy", "fit_again_from_initial_epoch", "epoch_callbacks", "auc_precision_recall",
+                  "py_dataset", "tf_data_shuffle_prefetch", "tf_data_filter_unknown_cardinality",
+                  "string_inputs_string_lookup", "jit_compile_requested", "attention_block_adamw"}
 
 
 def programs_to_run(session):

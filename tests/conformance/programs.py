@@ -1019,6 +1019,113 @@ def early_stopping_restores_best_weights(make_strategy):
                   best_epoch=int(stop.best_epoch))
 
 
+# -- more of what ordinary scripts do (stop 44) ------------------------------------------
+
+@program()
+def lr_callbacks(make_strategy):
+    # ReduceLROnPlateau reads the epoch's loss (a global number under tfdp, so every rank cuts the
+    # rate at the same epoch); LearningRateScheduler sets it each epoch before that.
+    x, y = regression()
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9 if epoch else lr)
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.05, min_lr=1e-4)
+    model, history = fit_mlp(make_strategy, x, y, epochs=5, callbacks=[schedule, plateau])
+    return result(model, history, learning_rate=float(np.asarray(model.optimizer.learning_rate)))
+
+
+@program()
+def weighted_validation_with_its_own_batch_size(make_strategy):
+    # Validation rows weighted, at another batch size than training's (24 rows: 16 + 8).
+    x, y = regression()
+    xv, yv = regression(24, seed=5)
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"weighted_metrics": ["mae"], "metrics": ["mse"]},
+                             sample_weight=np.linspace(0.5, 1.5, len(x)).astype("float32"),
+                             validation_data=(xv, yv, np.linspace(2.0, 0.1, len(xv)).astype("float32")),
+                             validation_batch_size=16)
+    return result(model, history)
+
+
+class Reconstruction(keras.layers.Layer):
+    """An autoencoder's loss added by a layer: the model is fit on inputs alone."""
+
+    def call(self, pair):
+        inputs, decoded = pair
+        self.add_loss(keras.ops.mean(keras.ops.square(inputs - decoded)))
+        return decoded
+
+
+@program()
+def autoencoder_on_inputs_alone(make_strategy):
+    x, _ = regression()
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        inp = keras.Input((6,))
+        code = keras.layers.Dense(3, activation="tanh")(inp)
+        out = Reconstruction()([inp, keras.layers.Dense(6)(code)])
+        model = keras.Model(inp, out)
+        model.compile(sgd())
+    data = tf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH)
+    history = model.fit(data, epochs=2, verbose=0)
+    return result(model, history, evaluate=model.evaluate(data, verbose=0), predict=model.predict(data, verbose=0))
+
+
+@program()
+def evaluate_and_predict_for_some_steps(make_strategy):
+    # evaluate(steps=) on a repeated dataset, predict on a Python generator of inputs.
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"metrics": ["mae"]})
+    repeated = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).repeat()
+
+    def inputs():
+        for i in range(0, 80, 20):  # 4 batches of 20 rows
+            yield (x[i:i + 20],)
+
+    return result(model, history, evaluate=model.evaluate(repeated, steps=3, verbose=0),
+                  predict=model.predict(inputs(), verbose=0))
+
+
+@program()
+def time_distributed_and_lambda(make_strategy):
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(96, 5, 4)).astype("float32")
+    y = np.tanh(x.sum(axis=(1, 2)) / 4)[:, None].astype("float32")
+    model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: keras.Sequential([
+        keras.Input((5, 4)), keras.layers.TimeDistributed(keras.layers.Dense(8, activation="tanh")),
+        keras.layers.Lambda(lambda t: t * 2.0), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)]))
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def nested_outputs_with_metrics_per_output(make_strategy):
+    x, y = classification()
+    y_reg = regression(seed=3)[1]
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        inp = keras.Input((6,))
+        h = keras.layers.Dense(12, activation="relu")(inp)
+        model = keras.Model(inp, {"label": keras.layers.Dense(3, name="label")(h),
+                                  "value": keras.layers.Dense(1, name="value")(h)})
+        model.compile(keras.optimizers.Adam(0.01),
+                      loss={"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "value": "mse"},
+                      metrics={"label": ["sparse_categorical_accuracy"], "value": ["mae"]})
+    targets = {"label": y, "value": y_reg}
+    history = model.fit(x, targets, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, model.evaluate(x, targets, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True))
+
+
+# bfloat16 rounds each worker's half batch on its own, as float16 does (see mixed_precision).
+@program("tf-mirrored")
+def mixed_bfloat16(make_strategy):
+    x, y = regression()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model, history = fit_mlp(make_strategy, x, y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return result(model, history)
+
+
 # -- set-up ----------------------------------------------------------------------------
 
 # float16 rounds each worker's half-batch forward and backward pass on its own: against one
