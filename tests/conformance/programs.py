@@ -1056,14 +1056,13 @@ class Reconstruction(keras.layers.Layer):
 @program()
 def autoencoder_on_inputs_alone(make_strategy):
     x, _ = regression()
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
+
+    def autoencoder():
         inp = keras.Input((6,))
         code = keras.layers.Dense(3, activation="tanh")(inp)
-        out = Reconstruction()([inp, keras.layers.Dense(6)(code)])
-        model = keras.Model(inp, out)
-        model.compile(sgd())
+        return keras.Model(inp, Reconstruction()([inp, keras.layers.Dense(6)(code)]))
+
+    model = build(make_strategy, autoencoder, lambda: {"loss": None})
     data = tf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH)
     history = model.fit(data, epochs=2, verbose=0)
     return result(model, history, evaluate=model.evaluate(data, verbose=0), predict=model.predict(data, verbose=0))
@@ -1099,16 +1098,17 @@ def time_distributed_and_lambda(make_strategy):
 def nested_outputs_with_metrics_per_output(make_strategy):
     x, y = classification()
     y_reg = regression(seed=3)[1]
-    strategy = make_strategy()
-    with strategy.scope():
-        keras.utils.set_random_seed(SEED)
+
+    def two_heads():
         inp = keras.Input((6,))
         h = keras.layers.Dense(12, activation="relu")(inp)
-        model = keras.Model(inp, {"label": keras.layers.Dense(3, name="label")(h),
-                                  "value": keras.layers.Dense(1, name="value")(h)})
-        model.compile(keras.optimizers.Adam(0.01),
-                      loss={"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "value": "mse"},
-                      metrics={"label": ["sparse_categorical_accuracy"], "value": ["mae"]})
+        return keras.Model(inp, {"label": keras.layers.Dense(3, name="label")(h),
+                                 "value": keras.layers.Dense(1, name="value")(h)})
+
+    model = build(make_strategy, two_heads, lambda: {
+        "optimizer": keras.optimizers.Adam(0.01),
+        "loss": {"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "value": "mse"},
+        "metrics": {"label": ["sparse_categorical_accuracy"], "value": ["mae"]}})
     targets = {"label": y, "value": y_reg}
     history = model.fit(x, targets, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
     return result(model, history, model.evaluate(x, targets, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True))
