@@ -6,7 +6,7 @@ under `tf.distribute.MirroredStrategy` on two logical CPUs, and under
 process, or tf.distribute where Keras defines the result by it) within 1e-5 relative, in
 weights, History, evaluate and predict, with both ranks reporting the same numbers. The
 table of all programs is written to ``conformance.md`` in the test's output folder and
-printed with ``pytest -s``. The quick tier runs 35 of the 81 programs (`FULL_TIER_ONLY`
+printed with ``pytest -s``. The quick tier runs 37 of the 89 programs (`FULL_TIER_ONLY`
 names the others, each a variant of a quick one); the full tier runs all.
 """
 
@@ -27,7 +27,11 @@ RUNNER = Path(__file__).parent / "conformance" / "run.py"
 
 # tf.distribute runs the programs it is the reference of, and the generator (a negative
 # control); the full tier runs it on every program for the table (`test_tf_distribute_on_every_program`).
-MIRRORED_HERE = [n for n, (_, reference) in PROGRAMS.items() if reference == "tf-mirrored"] + ["python_generator"]
+# Losses Keras normalizes per replica: tf.distribute's result differs from one process (a negative
+# control), tfdp's does not.
+NORMALIZED_PER_REPLICA_BY_KERAS = ["masked_sequence_loss", "ignore_class_loss", "mean_with_sample_weight_loss"]
+MIRRORED_HERE = ([n for n, (_, reference) in PROGRAMS.items() if reference == "tf-mirrored"] + ["python_generator"]
+                 + NORMALIZED_PER_REPLICA_BY_KERAS)
 
 
 # Programs that vary a feature another quick program already runs (another input structure,
@@ -47,7 +51,9 @@ FULL_TIER_ONLY = {"weighted_validation_with_its_own_batch_size", "time_distribut
                   "shared_layer_two_inputs", "nesterov_clipnorm", "clipvalue", "adamw_lr_schedule", "ema_weights",
                   "seed_after_strategy", "fit_again_from_initial_epoch", "epoch_callbacks", "auc_precision_recall",
                   "py_dataset", "tf_data_shuffle_prefetch", "tf_data_filter_unknown_cardinality",
-                  "string_inputs_string_lookup", "jit_compile_requested", "attention_block_adamw"}
+                  "string_inputs_string_lookup", "jit_compile_requested", "attention_block_adamw",
+                  "ignore_class_loss", "bidirectional_lstm", "conv_transpose_autoencoder",
+                  "input_with_a_fixed_batch_size", "steps_per_epoch_on_arrays", "dropout_and_gaussian_noise"}
 
 
 def programs_to_run(session):
@@ -187,6 +193,17 @@ def test_negative_controls_the_comparison_catches_real_differences(results):
     # Weights off by 0.1% are caught too, not averaged away.
     a = plain["numpy_arrays"]
     assert relative_difference(dict(a, weights=[np.asarray(w) * 1.001 for w in a["weights"]]), a) > 10 * RTOL
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full) if n in FULL_TIER_ONLY else n
+                                  for n in NORMALIZED_PER_REPLICA_BY_KERAS])
+def test_losses_keras_normalizes_per_replica_are_normalized_over_all_ranks(results, name):
+    # Each half batch holds a different number of valid entries (or sum of weights): dividing each
+    # by its own count, as tf.distribute does, leaves the one-process result by more than 1%.
+    plain, mirrored, ours = (results[f"{mode}-rank0"][name] for mode in ("plain", "tf-mirrored", "tfdp"))
+    assert relative_difference(mirrored, plain) > 1e-2
+    assert relative_difference({"weights": ours["weights"]}, {"weights": plain["weights"]}) <= RTOL
+    assert relative_difference({"evaluate": ours["evaluate"]}, {"evaluate": plain["evaluate"]}) <= RTOL
 
 
 def test_only_rank_0_writes_checkpoints_logs_and_saved_models(results):

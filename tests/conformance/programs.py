@@ -1126,6 +1126,98 @@ def mixed_bfloat16(make_strategy):
     return result(model, history)
 
 
+# -- losses normalized by what each rank holds (stop 45) ---------------------------------
+# Keras divides a masked loss by its valid entries, and a "mean_with_sample_weight" loss by its
+# weights' sum, per replica; tf.distribute keeps that (its result differs from one process on
+# these programs), tfdp divides by the count over all ranks. Each has a last, uneven batch.
+
+def padded_sequences(n=99, steps=7, vocabulary=12, classes=3, seed=5):
+    """Token ids padded with 0 to `steps` (lengths 1..steps), and a class per token."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, steps + 1, size=n)
+    x = rng.integers(1, vocabulary, size=(n, steps)) * (np.arange(steps) < lengths[:, None])
+    return x.astype("int32"), (x % classes).astype("int32")
+
+
+@program()
+def masked_sequence_loss(make_strategy):
+    x, y = padded_sequences()
+    model, history = fit_mlp(make_strategy, x, y, lambda: {
+        "loss": "sparse_categorical_crossentropy", "metrics": ["accuracy"]}, model_fn=lambda: keras.Sequential([
+            keras.Input((7,), dtype="int32"), keras.layers.Embedding(12, 4, mask_zero=True),
+            keras.layers.LSTM(4, return_sequences=True), keras.layers.Dense(3, activation="softmax")]))
+    return result(model, history, evaluate=model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def ignore_class_loss(make_strategy):
+    x, y = classification(n=99, classes=4)
+    y[np.arange(99) % 3 == 0] = 3
+    y[:24] = 3  # the first batch's first half holds few labels that count
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"loss": keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=3)}, model_fn=lambda: mlp(outputs=4))
+    return result(model, history, evaluate=model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def mean_with_sample_weight_loss(make_strategy):
+    x, y = regression(n=99)
+    weights = np.where(np.arange(99) % 32 < 12, 3.0, 0.5).astype("float32")
+    model, history = fit_mlp(make_strategy, x, y, lambda: {"loss": keras.losses.MeanSquaredError(
+        reduction="mean_with_sample_weight")}, sample_weight=weights)
+    return result(model, history, evaluate=model.evaluate(x, y, sample_weight=weights, batch_size=GLOBAL_BATCH,
+                                                          verbose=0))
+
+
+# -- layers and shapes (stop 45) ---------------------------------------------------------
+
+@program()
+def bidirectional_lstm(make_strategy):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(64, 5, 3)).astype("float32")
+    y = x.sum(axis=(1, 2))[:, None].astype("float32")
+    model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: keras.Sequential([
+        keras.Input((5, 3)), keras.layers.Bidirectional(keras.layers.LSTM(4)), keras.layers.Dense(1)]))
+    return result(model, history, predict=model.predict(x[:10], verbose=0))
+
+
+@program()
+def conv_transpose_autoencoder(make_strategy):
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(64, 8, 8, 1)).astype("float32")
+    model, history = fit_mlp(make_strategy, x, x, model_fn=lambda: keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(), keras.layers.UpSampling2D(),
+        keras.layers.Conv2DTranspose(1, 3, strides=2, padding="same")]))
+    return result(model, history)
+
+
+@program()
+def input_with_a_fixed_batch_size(make_strategy):
+    # keras.Input(batch_size=32) names the global batch; each worker's step sees its 16 rows.
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: keras.Sequential([
+        keras.Input((6,), batch_size=GLOBAL_BATCH), keras.layers.Dense(4), keras.layers.Dense(1)]))
+    return result(model, history)
+
+
+@program()
+def steps_per_epoch_on_arrays(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, steps_per_epoch=3, epochs=3)
+    return result(model, history)
+
+
+# Random layers draw per replica, as under tf.distribute (one process draws for the whole batch).
+@program("tf-mirrored")
+def dropout_and_gaussian_noise(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dropout(0.3),
+        keras.layers.GaussianNoise(0.1), keras.layers.Dense(1)]))
+    return result(model, history, evaluate=model.evaluate(x, y, verbose=0))
+
+
 # -- set-up ----------------------------------------------------------------------------
 
 # float16 rounds each worker's half-batch forward and backward pass on its own: against one

@@ -97,6 +97,14 @@ class StrategyHooks(abc.ABC):
         """`evaluate`, `predict`, `test_on_batch` or `predict_on_batch` starts outside `fit` (on every
         rank): make the workers' models one model, if they may differ."""
 
+    def global_loss_share(self, local, rows):
+        """Inside a train or test step: the factor that turns a loss normalized by this rank's own
+        `local` count (valid entries, sum of weights; float64) into one normalized by that count
+        over all ranks, in the scale the strategy expects of each rank's loss (this rank holds
+        `rows` rows). None where each worker's loss stays normalized by its own count (one worker;
+        workers that step on their own)."""
+        return None
+
     def reads_reduced_together(self, variables):
         """A context manager: within it, reading any of `variables` outside a step gives its global
         value from one exchange made on entry for all of them, not one exchange per read."""
@@ -743,6 +751,65 @@ def _patch_loss_scaling():
 
     scale_loss_for_distribution._tfdp_original = original
     loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+
+
+def _hooks_of_this_step():
+    """The tfdp strategy hooks when called inside one of its steps (replica context), else None."""
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    return _strategy_hooks(tf.distribute.get_strategy())
+
+
+def _global_share(local, values):
+    """The strategy's `global_loss_share` for this rank's `local` count and the rows of `values`
+    (its first axis); None outside a tfdp step."""
+    import tensorflow as tf
+
+    hooks = _hooks_of_this_step()
+    if hooks is None:
+        return None
+    return hooks.global_loss_share(tf.cast(local, tf.float64), tf.cast(tf.shape(values)[0], tf.float64))
+
+
+def _patch_masked_loss_normalization():
+    # keras/src/losses/loss.py: `reduce_weighted_values` merges a loss's Keras mask into its
+    # sample weights with `apply_mask`. For the reductions "sum_over_batch_size" and "mean" that
+    # weighs valid entries by total / valid of the replica's own batch, and `reduce_values` divides
+    # "mean_with_sample_weight" losses by the replica's own sum of weights. Each worker's loss is
+    # then the mean over its own valid entries; the mean of those is not the one-process loss when
+    # the ranks hold different numbers of valid entries (padded sequences, `ignore_class`).
+    # tf.distribute does the same. Under a tfdp strategy whose steps run in lockstep, both are
+    # normalized by the count summed across ranks (one scalar sum per masked loss and step).
+    # Metrics call `apply_mask` with reduction "sum", which does not normalize: left as it is.
+    import tensorflow as tf
+    from keras.src.losses import loss as loss_module
+
+    original_apply_mask = loss_module.apply_mask
+    original_reduce_values = loss_module.reduce_values
+
+    @functools.wraps(original_apply_mask)
+    def apply_mask(sample_weight, mask, dtype, reduction):
+        weights = original_apply_mask(sample_weight, mask, dtype, reduction)
+        if mask is None or reduction not in ("mean", "sum_over_batch_size"):
+            return weights
+        share = _global_share(tf.reduce_sum(tf.cast(mask, tf.float64)), mask)
+        return weights if share is None else weights * tf.cast(share, weights.dtype)
+
+    @functools.wraps(original_reduce_values)
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        loss = original_reduce_values(values, sample_weight, reduction)
+        if (sample_weight is None or loss_module.standardize_reduction(reduction) != "mean_with_sample_weight"
+                or loss is values):
+            return loss
+        share = _global_share(tf.reduce_sum(tf.cast(sample_weight, tf.float64)), values)
+        return loss if share is None else loss * tf.cast(share, loss.dtype)
+
+    apply_mask._tfdp_original = original_apply_mask
+    reduce_values._tfdp_original = original_reduce_values
+    loss_module.apply_mask = apply_mask
+    loss_module.reduce_values = reduce_values
 
 
 def _adopt_optimizer_made_outside_any_scope(optimizer, strategy):
@@ -1410,6 +1477,7 @@ def install():
     _patch_batch_norm_moments()
     _patch_summed_increments()
     _patch_loss_scaling()
+    _patch_masked_loss_normalization()
     _installed = True
 
 
@@ -1456,5 +1524,7 @@ def hooked_functions():
         (core.Variable, "assign_add"),
         (core.Variable, "assign_sub"),
         (loss_module, "scale_loss_for_distribution"),
+        (loss_module, "apply_mask"),
+        (loss_module, "reduce_values"),
     ]
 

@@ -132,6 +132,10 @@ class GradientReducer(abc.ABC):
     shards_optimizer_state = False
     #: `_reduce` keeps no state, so it may run twice in a step (see the module docstring: equal rows).
     stateless_exchange = False
+    #: Every training step waits for every rank before its update. False where workers step on their
+    #: own and exchange later or less often (delayed averaging, stale gradients, local SGD): a sum
+    #: across ranks inside their steps (a masked loss's global count) would add a wait to each step.
+    lockstep = True
 
     def __init__(self, communicator, op="sum", state=None):
         if op not in _OPS:
@@ -177,7 +181,7 @@ class GradientReducer(abc.ABC):
         """The summed dense gradients (before `_after_reduce`) and slices, row-weighted unless `rows`
         is None."""
         weight = (lambda g: g) if rows is None else (lambda g: _scaled(g, tf.cast(rows, tf.float32), no_nan=True))
-        dense_grads = [weight(tf.convert_to_tensor(grads[i])) for i in dense]
+        dense_grads = [weight(_dense(grads[i], variables[i])) for i in dense]
         dense_vars = [variables[i] for i in dense]
         if rows is not None:  # the row count rides along in the same exchange
             dense_grads.append(tf.reshape(tf.cast(rows, tf.float32), [1]))
@@ -194,7 +198,7 @@ class GradientReducer(abc.ABC):
         """The plain sum, sent with ``[rows, rows²]``; the row-weighted exchange again if the ranks'
         rows differed (the same decision on every rank: they all hold the same sums)."""
         count = tf.cast(rows, tf.float32)
-        *summed, counts = self._reduce([tf.convert_to_tensor(grads[i]) for i in dense] + [tf.stack([count, count * count])],
+        *summed, counts = self._reduce([_dense(grads[i], variables[i]) for i in dense] + [tf.stack([count, count * count])],
                                        [variables[i] for i in dense] + [ROW_COUNT], opt)
         # Exact in float32 while P * rows² < 2**24 (rows per rank below 2,896 on 2 workers).
         even = tf.equal(counts[0] * counts[0], float(self.communicator.size) * counts[1])
@@ -271,6 +275,17 @@ class GradientReducer(abc.ABC):
 def variable_bytes(variable):
     """The bytes of a variable's value (Keras or TF variable), from its shape and dtype."""
     return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
+
+
+def _dense(grad, variable):
+    """`grad` as a dense tensor with its variable's static shape. A gradient that reaches the
+    optimizer without one (measured: a Dense kernel's (None, 3) after a masked LSTM's sequences) has the
+    variable's shape all the same; the exchange sizes its buffers by static shapes."""
+    grad = tf.convert_to_tensor(grad)
+    shape = tf.TensorShape(variable.shape)
+    if not grad.shape.is_fully_defined() and shape.is_fully_defined():
+        grad = tf.reshape(grad, shape)
+    return grad
 
 
 def _scaled(grad, factor, no_nan=False):

@@ -70,6 +70,7 @@ class DelayedAveraging(GradientReducer):
     description = "delayed averaging (AsyncStrategy)"
     optimizer_state_per_rank = True
     weights_rows = False  # Each worker's step is weighted by its rows when it is averaged.
+    lockstep = False
 
     def __init__(self, communicator, staleness, delay_seconds=0.0):
         super().__init__(communicator, op="sum")

@@ -36,6 +36,7 @@ class LocalSGD(GradientReducer):
     rounds_per_step = 0  # Rounds are counted where they happen: sync steps and averages.
     description = "local SGD (AsyncStrategy)"
     optimizer_state_per_rank = True
+    lockstep = False
 
     def __init__(self, communicator, sync_every, warmup_steps=0, outer_learning_rate=1.0,
                  outer_momentum=0.0):

@@ -164,6 +164,7 @@ class StaleGradients(GradientReducer):
 
     supports_accumulation = False
     description = "bounded-staleness exchange (AsyncStrategy)"
+    lockstep = False
 
     def __init__(self, communicator, staleness, damping=None, delay_seconds=0.0, momentum=None):
         super().__init__(communicator, op="sum")

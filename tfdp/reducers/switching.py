@@ -115,5 +115,9 @@ class SwitchingReducer(GradientReducer):
     def shards_optimizer_state(self):
         return self.current.shards_optimizer_state
 
+    @property
+    def lockstep(self):
+        return self.current.lockstep
+
 
 __all__ = ["UNDECIDED", "SwitchingReducer"]

@@ -216,6 +216,23 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         with tf.control_dependencies([end]):  # read the clock as soon as the sum arrives
             return [tf.identity(s) for s in summed]
 
+    def global_loss_share(self, local, rows):
+        # Rank r's loss, normalized by its own count c_r, becomes S_r / C (C: the count over all
+        # ranks) times what the exchange undoes: P where gradients are summed as they are, N / n_r
+        # where the exchange weights rank r by its rows n_r of N (and so do the step logs; a test
+        # step's loss is logged weighted by rows). Summed, either gives the one-process loss's
+        # gradient, for any split of the batch.
+        if self._size == 1 or not self.gradient_reducer.lockstep:
+            return None
+        counts = tf.stop_gradient(tf.stack([local, rows]))
+        training = rows_in_this_step() is not None
+        # No compute time to keep apart from waiting in a test step.
+        total, all_rows = tf.unstack(self._in_step_allreduce([counts])[0] if training
+                                     else self.communicator.allreduce([counts], op="sum")[0])
+        if training and not self.gradient_reducer.weights_rows:
+            return tf.math.divide_no_nan(local * float(self._size), total)
+        return tf.math.divide_no_nan(local * all_rows, total * rows)
+
     def _reduce_to(self, reduce_op, value, destinations, options):
         variable, reduced = self._reduced_reads.get(id(value), (None, None))
         if variable is value:
