@@ -199,13 +199,13 @@ def test_negative_controls_the_comparison_catches_real_differences(results):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full) if n in FULL_TIER_ONLY else n
                                   for n in NORMALIZED_PER_REPLICA_BY_KERAS])
-def test_losses_keras_normalizes_per_replica_are_normalized_over_all_ranks(results, name):
-    # Each half batch holds a different number of valid entries (or sum of weights): dividing each
-    # by its own count, as tf.distribute does, leaves the one-process result by more than 1%.
-    plain, mirrored, ours = (results[f"{mode}-rank0"][name] for mode in ("plain", "tf-mirrored", "tfdp"))
+def test_tf_distribute_misses_one_process_on_losses_keras_normalizes_per_replica(results, name):
+    # The negative control of these programs: each half batch holds a different number of valid
+    # entries (or sum of weights), and dividing each by its own count, as tf.distribute does,
+    # leaves the one-process result by more than 1%. That tfdp stays within 1e-5 of one process
+    # is `test_program_matches_its_reference_on_two_workers`.
+    plain, mirrored = (results[f"{mode}-rank0"][name] for mode in ("plain", "tf-mirrored"))
     assert relative_difference(mirrored, plain) > 1e-2
-    assert relative_difference({"weights": ours["weights"]}, {"weights": plain["weights"]}) <= RTOL
-    assert relative_difference({"evaluate": ours["evaluate"]}, {"evaluate": plain["evaluate"]}) <= RTOL
 
 
 def test_only_rank_0_writes_checkpoints_logs_and_saved_models(results):

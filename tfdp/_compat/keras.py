@@ -753,21 +753,14 @@ def _patch_loss_scaling():
     loss_module.scale_loss_for_distribution = scale_loss_for_distribution
 
 
-def _hooks_of_this_step():
-    """The tfdp strategy hooks when called inside one of its steps (replica context), else None."""
+def _global_share(local, values):
+    """The strategy's `global_loss_share` for this rank's `local` count and the rows of `values`
+    (its first axis); None outside a tfdp step (replica context)."""
     import tensorflow as tf
 
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
-    return _strategy_hooks(tf.distribute.get_strategy())
-
-
-def _global_share(local, values):
-    """The strategy's `global_loss_share` for this rank's `local` count and the rows of `values`
-    (its first axis); None outside a tfdp step."""
-    import tensorflow as tf
-
-    hooks = _hooks_of_this_step()
+    hooks = _strategy_hooks(tf.distribute.get_strategy())
     if hooks is None:
         return None
     return hooks.global_loss_share(tf.cast(local, tf.float64), tf.cast(tf.shape(values)[0], tf.float64))
