@@ -26,6 +26,10 @@ class Run:
 
 
 def _finish(result, command, timeout):
+    if os.environ.get("TFDP_TEST_JOBLOG"):  # one line per launched job: where the tier's time goes
+        with open(os.environ["TFDP_TEST_JOBLOG"], "a") as log:
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+            log.write(f"{result.seconds:7.1f} {test} {' '.join(map(str, command))[-120:]}\n")
     if result.timed_out:
         pytest.fail(f"timed out after {timeout}s (hang): {' '.join(map(str, command))}\n{result.output[-4000:]}")
     return Run(result.returncode, result.output, result.seconds)

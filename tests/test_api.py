@@ -276,8 +276,10 @@ def test_tfdp_run_refuses_a_multi_host_job_from_a_loopback_host_name(capsys, mon
 
 
 def test_import_tfdp_is_lazy_and_every_subpackage_is_an_attribute():
-    # `tfdp run` and the launcher start without TensorFlow; scripts reach subpackages as attributes.
+    # `tfdp run` and the launcher start without TensorFlow (importing it costs a worker's start-up,
+    # 7-9 s here), validating `--strategy` included; scripts reach subpackages as attributes.
     code = ("import sys, tfdp; assert 'tensorflow' not in sys.modules, 'eager import'; "
+            "tfdp.presets.load_variant('topk-1pct:compressor.ratio=0.02'); "
             "print(tfdp.presets.preset_names()[0], tfdp.tools.__name__, 'tensorflow' in sys.modules); "
             "print(tfdp.MirroredStrategy.__name__, tfdp.compression.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

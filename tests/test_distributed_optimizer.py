@@ -1,5 +1,7 @@
 """tfdp.DistributedOptimizer and tfdp.callbacks without a strategy, on two real workers."""
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 from conftest import assert_ok, run_plain, run_workers
@@ -11,9 +13,12 @@ pytestmark = pytest.mark.multiprocess
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     ref_dir, out_dir = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("tfdp")
-    reference = run_plain("dist_optimizer.py", ["--mode", "plain", "--out", ref_dir])
+    # Side by side: the workers wait on each other often enough to leave the plain process room.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        reference = pool.submit(run_plain, "dist_optimizer.py", ["--mode", "plain", "--out", ref_dir])
+        workers = pool.submit(run_workers, "dist_optimizer.py", 2, ["--mode", "tfdp", "--out", out_dir])
+        reference, workers = reference.result(), workers.result()
     assert_ok(reference)
-    workers = run_workers("dist_optimizer.py", 2, ["--mode", "tfdp", "--out", out_dir])
     assert_ok(workers)
     return reference.results(ref_dir, 1)[0], workers.results(out_dir, 2)
 

@@ -26,11 +26,32 @@ BAD_INPUT = {
 }
 
 
-def test_bad_input_is_a_value_error_on_every_rank_within_seconds():
+@pytest.fixture(scope="module")
+def survived(tmp_path_factory):
+    """The faults a job survives, one script after another in one 2-worker job (one TensorFlow
+    start for all): bad input, uneven inputs, non-finite gradients, data already split per rank."""
+    out = tmp_path_factory.mktemp("survived")
+    for folder in ("uneven", "nonfinite"):
+        (out / folder).mkdir()
+    run = run_workers("in_sequence.py", 2, ["faults.py", "--cases", *BAD_INPUT, "--", "uneven.py", "--out",
+                                            out / "uneven", "--", "nonfinite.py", "--out", out / "nonfinite",
+                                            "--", "split_inputs.py"], timeout=2 * BOUND_SECONDS)
+    assert run.returncode == 0, run.output[-4000:]
+    return run, out
+
+
+def section(output, script, rank):
+    """Rank `rank`'s stderr lines while `in_sequence.py` ran `script`."""
+    lines = [line.split(":", 1)[1] for line in output.splitlines() if line.startswith(f"[{rank}]<stderr>:")]
+    start = lines.index(f"in_sequence: {script}") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("in_sequence: ")), len(lines))
+    return lines[start:end]
+
+
+def test_bad_input_is_a_value_error_on_every_rank_within_seconds(survived):
     # All cases in one job: each raises on both ranks at the same collective, so the next
     # case starts paired. The worker exits non-zero if a case does not raise.
-    run = run_workers("faults.py", 2, ["--cases", *BAD_INPUT], timeout=BOUND_SECONDS)
-    assert run.returncode == 0, run.output[-4000:]
+    run, _ = survived
     for case, message in BAD_INPUT.items():
         for rank in (0, 1):
             [line] = [line for line in run.output.splitlines() if line.startswith(f"[{rank}]<stderr>:case {case}:")]
@@ -98,10 +119,9 @@ def _max_relative_difference(a, b):
                for x, y in zip(a, b))
 
 
-def test_nonfinite_gradients_skip_the_step_on_every_rank(tmp_path):
-    run = run_workers("nonfinite.py", 2, ["--out", tmp_path], timeout=BOUND_SECONDS)
-    assert run.returncode == 0, run.output[-3000:]
-    ranks = run.results(tmp_path, 2)
+def test_nonfinite_gradients_skip_the_step_on_every_rank(survived):
+    run, out = survived
+    ranks = run.results(out / "nonfinite", 2)
     skip = [r["skip"] for r in ranks]
     # Only rank 1 saw NaN inputs, once per epoch; both ranks skipped those 2 of 16 steps.
     assert [r["skipped"] for r in skip] == [2, 2]
@@ -112,23 +132,21 @@ def test_nonfinite_gradients_skip_the_step_on_every_rank(tmp_path):
     assert all(np.isnan(np.ravel(r["plain"]["weights"][0])).all() for r in ranks)
 
 
-def test_data_already_split_per_rank_is_warned_on_every_rank():
-    run = run_workers("split_inputs.py", 2, timeout=BOUND_SECONDS)
-    assert run.returncode == 0, run.output[-3000:]
+def test_data_already_split_per_rank_is_warned_on_every_rank(survived):
+    run, _ = survived
     for rank in (0, 1):
-        lines = [line for line in run.output.splitlines() if line.startswith(f"[{rank}]<stderr>:")]
-        split_at = lines.index(f"[{rank}]<stderr>:case: split per rank")
+        lines = section(run.output, "split_inputs.py", rank)
+        split_at = lines.index("case: split per rank")
         warnings = [i for i, line in enumerate(lines) if "hold other rows than rank 0's" in line]
         # Negative control: whole data on every rank (fit and evaluate) says nothing.
         assert len(warnings) == 1 and warnings[0] > split_at, lines
         assert "x[rank::size]" in lines[warnings[0]] and f"this is rank {rank}" in lines[warnings[0]]
 
 
-def test_uneven_inputs_end_every_rank_at_the_same_step(tmp_path):
-    run = run_workers("uneven.py", 2, ["--out", tmp_path], timeout=BOUND_SECONDS)
-    assert run.returncode == 0, run.output[-3000:]
-    ranks = run.results(tmp_path, 2)
+def test_uneven_inputs_end_every_rank_at_the_same_step(survived):
+    run, out = survived
+    ranks = run.results(out / "uneven", 2)
     # 8 global batches on rank 0, 10 on rank 1: both train 8 per epoch, 3 epochs.
     assert [r["iterations"] for r in ranks] == [24, 24]
     assert ranks[0]["weights"] == ranks[1]["weights"]
-    assert "rank 1 drops its last 2 every epoch" in run.output
+    assert any("rank 1 drops its last 2 every epoch" in line for line in section(run.output, "uneven.py", 1))

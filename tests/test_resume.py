@@ -37,13 +37,31 @@ def max_relative_difference(a, b):
     return max(float(np.max(np.abs(np.subtract(x, y))) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b))
 
 
-def job(tmp_path, preset, name, backup, *extra):
+def arguments(tmp_path, preset, name, backup, *extra):
+    """`resume.py`'s arguments for the run `name`, whose output folder this makes."""
     (tmp_path / name).mkdir()
     preset, _, optimizer = preset.partition("@")
-    run = run_workers("resume.py", 2, ["--preset", preset, "--optimizer", optimizer or "sgd", "--out",
-                                       tmp_path / name, "--backup", tmp_path / backup, *extra], timeout=BOUND_SECONDS)
-    result = tmp_path / name / "rank0.json"
-    return run, (json.loads(result.read_text()) if result.exists() else None)
+    return ["--preset", preset, "--optimizer", optimizer or "sgd", "--out", tmp_path / name,
+            "--backup", tmp_path / backup, *extra]
+
+
+def result(tmp_path, name):
+    path = tmp_path / name / "rank0.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def job(tmp_path, preset, name, backup, *extra):
+    run = run_workers("resume.py", 2, arguments(tmp_path, preset, name, backup, *extra), timeout=BOUND_SECONDS)
+    return run, result(tmp_path, name)
+
+
+def resumed_then_control(tmp_path, preset, control_backup, *control_extra):
+    """The resume and its negative control, one after the other in one job (one TensorFlow start)."""
+    run = run_workers("in_sequence.py", 2, ["resume.py", *arguments(tmp_path, preset, "resumed", "backup"), "--",
+                                            "resume.py", *arguments(tmp_path, preset, "control", control_backup,
+                                                                    *control_extra)],
+                      timeout=2 * BOUND_SECONDS)
+    return run, result(tmp_path, "resumed"), result(tmp_path, "control")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -56,25 +74,24 @@ def test_kill_and_resume_ends_with_the_weights_of_an_uninterrupted_run(tmp_path,
     assert json.loads((tmp_path / "backup" / "training_metadata.json").read_text())["epoch"] == 3
     shutil.copytree(tmp_path / "backup", tmp_path / "backup-copy")
 
-    resumed, resumed_state = job(tmp_path, preset, "resumed", "backup")  # the same command, again
-    assert resumed.returncode == 0, resumed.output[-3000:]
+    # The resume (the same command, again), then the negative control from the copy of the backup.
+    if preset == "sync":  # no reducer state: forget the saved epoch instead
+        control = ("backup-copy", "--forget-epoch")
+    elif preset.startswith("zero1"):  # its state is the optimizer's, sharded: zero the restored slots
+        control = ("backup-copy", "--reset-optimizer-slots")
+    elif preset.startswith("async-s"):  # its state is what is in flight: checkpoints written without settling
+        job(tmp_path, preset, "killed-unsettled", "backup-unsettled", "--die-at-epoch", 3, "--drop-reducer-state")
+        control = ("backup-unsettled", "--drop-reducer-state")
+    else:
+        control = ("backup-copy", "--drop-reducer-state")
+    run, resumed_state, control_state = resumed_then_control(tmp_path, preset, *control)
+    assert run.returncode == 0, run.output[-3000:]
     assert (resumed_state["first_epoch"], resumed_state["epochs_trained"]) == (3, 3)
     assert resumed_state["iterations"] == full_state["iterations"]
     difference = max_relative_difference(resumed_state["weights"], full_state["weights"])
     print(f"\n{preset}: resumed vs uninterrupted {difference:.2e}; reducer state {full_state['state']}")
     assert difference <= PARITY
 
-    # Negative control.
-    if preset == "sync":  # no reducer state: forget the saved epoch instead
-        control, control_state = job(tmp_path, preset, "control", "backup-copy", "--forget-epoch")
-    elif preset.startswith("zero1"):  # its state is the optimizer's, sharded: zero the restored slots
-        control, control_state = job(tmp_path, preset, "control", "backup-copy", "--reset-optimizer-slots")
-    elif preset.startswith("async-s"):  # its state is what is in flight: checkpoints written without settling
-        job(tmp_path, preset, "killed-unsettled", "backup-unsettled", "--die-at-epoch", 3, "--drop-reducer-state")
-        control, control_state = job(tmp_path, preset, "control", "backup-unsettled", "--drop-reducer-state")
-    else:
-        control, control_state = job(tmp_path, preset, "control", "backup-copy", "--drop-reducer-state")
-    assert control.returncode == 0, control.output[-3000:]
     dropped = max_relative_difference(control_state["weights"], full_state["weights"])
     print(f"{preset}: the same resume without its reducer state: {dropped:.2e}")
     assert dropped > CONTROL

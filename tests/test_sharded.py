@@ -97,18 +97,23 @@ def run(tmp_path, name, np_, *args, timeout=240):
 
 READ_OPTIMIZER = """
 import sys, keras, numpy as np
-model = keras.saving.load_model(sys.argv[1])
-np.savez(sys.argv[2], *[np.asarray(v) for v in model.optimizer.variables])
+for path in sys.argv[1:]:
+    model = keras.saving.load_model(path)
+    np.savez(path + ".npz", *[np.asarray(v) for v in model.optimizer.variables])
 """
 
 
-def saved_optimizer(path):
-    """The optimizer variables of a saved model, read by plain Keras in a process without tfdp."""
-    result = subprocess.run([sys.executable, "-c", READ_OPTIMIZER, str(path), str(path) + ".npz"],
+def saved_optimizer(*paths):
+    """The optimizer variables of each saved model, read by plain Keras in one process without tfdp."""
+    result = subprocess.run([sys.executable, "-c", READ_OPTIMIZER, *map(str, paths)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    with np.load(str(path) + ".npz") as arrays:
-        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+    def read(path):
+        with np.load(str(path) + ".npz") as arrays:
+            return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+    return [read(path) for path in paths] if len(paths) > 1 else read(paths[0])
 
 
 def assert_same_as_sync(tmp_path, workers, *args, partition="auto", memory_bound=True, noise_bound=False):
@@ -123,7 +128,7 @@ def assert_same_as_sync(tmp_path, workers, *args, partition="auto", memory_bound
     else:
         sync, sync_file = run(tmp_path, "sync", workers, "--shard", "no", *args)
         sharded, sharded_file = run(tmp_path, "sharded", workers, "--shard", partition, *args)
-    slots, sync_slots = saved_optimizer(sharded_file), saved_optimizer(sync_file)
+    slots, sync_slots = saved_optimizer(sharded_file, sync_file)
     bound = slots_bound = EQUAL
     if noise_bound:
         [plain], plain_file = run(tmp_path, "one-process", 1, "--shard", "no", *args)
@@ -174,8 +179,7 @@ def test_sharded_under_mixed_float16_loss_scaling_matches_sync_including_skipped
         assert difference <= EQUAL
         memory = sharded[rank]["memory"]
         assert memory["optimizer_state_bytes"] / memory["sync_optimizer_state_bytes"] <= 1 / 2 + 0.05
-    slots = saved_optimizer(saved.with_name("model-auto.keras"))
-    sync_slots = saved_optimizer(saved.with_name("model-no.keras"))
+    slots, sync_slots = saved_optimizer(saved.with_name("model-auto.keras"), saved.with_name("model-no.keras"))
     assert [s.shape for s in slots] == [s.shape for s in sync_slots]  # the scale, its counter, then Adam's
     difference = max_relative(slots, sync_slots)
     print(f"saved optimizer variables ({len(slots)}), sharded vs sync {difference:.2e}")

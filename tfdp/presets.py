@@ -25,14 +25,19 @@ import yaml
 ENV_VAR = "TFDP_STRATEGY"
 DEFAULT_PRESET = "sync"
 PRESET_KEYS = {"description": str, "strategy": str, "options": dict}
+# Named here, not read off the classes: validating a preset (`tfdp run --strategy`) must not
+# import TensorFlow, which costs the launcher seconds before any worker starts.
+STRATEGY_KINDS = ("async", "auto", "compressed", "mirrored")
 
 
 def _strategy_classes():
     from tfdp.auto import AutoStrategy
     from tfdp.strategies import AsyncStrategy, CompressedStrategy, MirroredStrategy
 
-    return {"mirrored": MirroredStrategy, "compressed": CompressedStrategy, "async": AsyncStrategy,
-            "auto": AutoStrategy}
+    classes = {"mirrored": MirroredStrategy, "compressed": CompressedStrategy, "async": AsyncStrategy,
+               "auto": AutoStrategy}
+    assert sorted(classes) == list(STRATEGY_KINDS)
+    return classes
 
 
 def _preset_files():
@@ -91,10 +96,9 @@ def parse_preset(text, source="<string>"):
             raise ValueError(
                 f"Preset {source}: {key!r} must be a {kind.__name__}. Received: {key}={data[key]!r}"
             )
-    classes = _strategy_classes()
-    if data["strategy"] not in classes:
+    if data["strategy"] not in STRATEGY_KINDS:
         raise ValueError(
-            f"Preset {source}: unknown strategy {data['strategy']!r}; choose one of {sorted(classes)}."
+            f"Preset {source}: unknown strategy {data['strategy']!r}; choose one of {list(STRATEGY_KINDS)}."
         )
     return data
 

@@ -3,11 +3,13 @@
 Two tables, 10 global batches of 64 rows, 8 lookups per row: ``large`` has 100,000 rows
 (a batch touches at most 512 of them, 0.5%), ``small`` 16 rows (every worker touches every
 row in every batch: the dense path must win). Rank r writes rank<r>.json: per table the
-final weights and the communication statistics under tfdp, and the weights of plain Keras
-on the same global batches (``reference``: batch 64 on one worker, no strategy).
+communication statistics under tfdp; and rank<r>-<table>.npz: the final weights under tfdp
+(``weights_<i>``) and those of plain Keras on the same global batches (``reference_<i>``: batch
+64 on one worker, no strategy). NumPy files, not JSON: the large table is 1.6 M floats.
 """
 
 import argparse
+from pathlib import Path
 
 import _common
 import keras
@@ -35,7 +37,7 @@ def train(rows, strategy):
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     stats = {} if strategy is None else {k: v for k, v in strategy.communication_stats().items()
                                          if isinstance(v, (int, float))}
-    return {"weights": _common.weights_as_lists(model), "stats": stats}
+    return {"weights": model.get_weights(), "stats": stats}
 
 
 class _nothing:
@@ -52,11 +54,15 @@ def main():
     args = parser.parse_args()
     import tfdp
 
-    results = {}
+    stats = {}
     for name, rows in (("large", 100_000), ("small", 16)):
-        results[name] = train(rows, tfdp.MirroredStrategy())
-        results[name]["reference"] = train(rows, None)["weights"]
-    _common.write_result(args.out, results)
+        trained = train(rows, tfdp.MirroredStrategy())
+        reference = train(rows, None)["weights"]
+        stats[name] = trained["stats"]
+        np.savez(Path(args.out) / f"rank{_common.rank()}-{name}.npz",
+                 **{f"weights_{i}": w for i, w in enumerate(trained["weights"])},
+                 **{f"reference_{i}": w for i, w in enumerate(reference)})
+    _common.write_result(args.out, stats)
 
 
 if __name__ == "__main__":

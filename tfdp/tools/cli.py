@@ -181,7 +181,7 @@ def _run(args, passthrough):
     if len(set(hosts)) > 1 and socket.gethostname() in hosts:  # this machine is one of several hosts
         check_host_address({"HOROVOD_CROSS_SIZE": str(len(set(hosts))), "HOROVOD_RANK": "(this host)"})
     if args.strategy:
-        presets.resolve_variant(args.strategy)  # Fail here, once, not on every worker.
+        presets.load_variant(args.strategy)  # Fail here, once, not on every worker (and without TensorFlow).
         os.environ[presets.ENV_VAR] = args.strategy
     if args.timeline:
         folder = Path(args.timeline).resolve().parent
