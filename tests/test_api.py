@@ -77,6 +77,10 @@ def test_invalid_presets_are_clear_errors(text, message):
     assert message in str(err.value) and "test.yaml" in str(err.value)
 
 
+def test_the_strategy_kinds_checked_without_tensorflow_are_the_classes_built():
+    assert sorted(presets._strategy_classes()) == list(presets.STRATEGY_KINDS)
+
+
 def test_unknown_preset_lists_the_choices(monkeypatch):
     monkeypatch.setenv("TFDP_STRATEGY", "nope")
     with pytest.raises(ValueError, match=r"Unknown strategy preset 'nope'. Available presets: \[.*'sync'"):

@@ -103,7 +103,7 @@ for path in sys.argv[1:]:
 """
 
 
-def saved_optimizer(*paths):
+def saved_optimizers(*paths):
     """The optimizer variables of each saved model, read by plain Keras in one process without tfdp."""
     result = subprocess.run([sys.executable, "-c", READ_OPTIMIZER, *map(str, paths)],
                             capture_output=True, text=True, timeout=120)
@@ -113,7 +113,7 @@ def saved_optimizer(*paths):
         with np.load(str(path) + ".npz") as arrays:
             return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
 
-    return [read(path) for path in paths] if len(paths) > 1 else read(paths[0])
+    return [read(path) for path in paths]
 
 
 def assert_same_as_sync(tmp_path, workers, *args, partition="auto", memory_bound=True, noise_bound=False):
@@ -128,12 +128,13 @@ def assert_same_as_sync(tmp_path, workers, *args, partition="auto", memory_bound
     else:
         sync, sync_file = run(tmp_path, "sync", workers, "--shard", "no", *args)
         sharded, sharded_file = run(tmp_path, "sharded", workers, "--shard", partition, *args)
-    slots, sync_slots = saved_optimizer(sharded_file, sync_file)
+    slots, sync_slots = saved_optimizers(sharded_file, sync_file)
     bound = slots_bound = EQUAL
     if noise_bound:
         [plain], plain_file = run(tmp_path, "one-process", 1, "--shard", "no", *args)
         noise = max_relative(sync[0]["weights"], plain["weights"])
-        slots_noise = max_relative(sync_slots, saved_optimizer(plain_file))
+        [plain_slots] = saved_optimizers(plain_file)
+        slots_noise = max_relative(sync_slots, plain_slots)
         bound, slots_bound = max(EQUAL, 2 * noise), max(EQUAL, 2 * slots_noise)
         print(f"\nsync on {workers} workers vs one process: weights {noise:.2e}, slots {slots_noise:.2e}")
     for rank in range(workers):
@@ -179,7 +180,7 @@ def test_sharded_under_mixed_float16_loss_scaling_matches_sync_including_skipped
         assert difference <= EQUAL
         memory = sharded[rank]["memory"]
         assert memory["optimizer_state_bytes"] / memory["sync_optimizer_state_bytes"] <= 1 / 2 + 0.05
-    slots, sync_slots = saved_optimizer(saved.with_name("model-auto.keras"), saved.with_name("model-no.keras"))
+    slots, sync_slots = saved_optimizers(saved.with_name("model-auto.keras"), saved.with_name("model-no.keras"))
     assert [s.shape for s in slots] == [s.shape for s in sync_slots]  # the scale, its counter, then Adam's
     difference = max_relative(slots, sync_slots)
     print(f"saved optimizer variables ({len(slots)}), sharded vs sync {difference:.2e}")
