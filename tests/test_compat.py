@@ -9,6 +9,7 @@ import functools
 
 import keras
 import numpy as np
+import pytest
 
 import tfdp
 from tfdp._compat import keras as keras_hooks
@@ -59,7 +60,10 @@ def ordinary_program(tmp_path):
         adam, sgd = keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.01)
         split.compile(optimizer=keras.optimizers.MultiOptimizer(lambda v: adam if v.shape[-1] == 3 else sgd),
                       loss="mse")
+        recurrent = keras.Sequential([keras.Input((4, 1), batch_size=16), keras.layers.LSTM(2, stateful=True)])
+        recurrent.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    recurrent.fit(x[..., None], y, batch_size=16, epochs=1, verbose=0)
     scaled.fit(x, y, batch_size=16, epochs=1, verbose=0)
     split.fit(x, y, batch_size=16, epochs=1, verbose=0)
     model.evaluate(x, y, batch_size=16, verbose=0)
@@ -163,3 +167,41 @@ def test_a_multi_optimizers_checkpoint_under_a_compressed_preset_loads_back(tmp_
     for before, after in zip(saved, restored.optimizer.variables):
         np.testing.assert_array_equal(before, after.numpy())
     assert not any(hasattr(sub, keras_hooks.REDUCER_STATE_ATTRIBUTE) for sub in restored.optimizer.optimizers)
+
+
+class Shares(keras_hooks.StrategyHooks):
+    """A tfdp strategy's answers about its split, without workers: `rows` of every batch, or None."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    is_chief = True
+    reduce_step_outputs = check_batch_size = agree_on_inputs = all_have_data = extra_callbacks = training_step = None
+
+    def rows_of_this_rank(self, global_rows):
+        return self.rows
+
+
+def build_stateful_lstm_under(monkeypatch, shares):
+    import tensorflow as tf
+
+    tfdp._compat.install()
+    strategy = type("Strategy", (), {"extended": shares})()
+    monkeypatch.setattr(tf.distribute, "has_strategy", lambda: True)
+    monkeypatch.setattr(tf.distribute, "in_cross_replica_context", lambda: True)
+    monkeypatch.setattr(tf.distribute, "get_strategy", lambda: strategy)
+    layer = keras.layers.LSTM(3, stateful=True)
+    layer.build((32, 5, 2))
+    return layer
+
+
+def test_a_stateful_rnn_keeps_the_state_of_its_workers_rows_only(monkeypatch):
+    # The step of a worker whose share of a 32-row global batch is 12 rows sees 12 rows: its state
+    # holds 12 (a hook that did nothing would leave 32, the batch of keras.Input).
+    layer = build_stateful_lstm_under(monkeypatch, Shares(12))
+    assert [tuple(state.shape) for state in layer.states] == [(12, 3), (12, 3)]
+
+
+def test_a_stateful_rnn_under_balance_auto_is_refused_and_named(monkeypatch):
+    with pytest.raises(ValueError, match=r'stateful.*balance="auto".*balance=\[\.\.\.\]'):
+        build_stateful_lstm_under(monkeypatch, Shares(None))

@@ -1208,6 +1208,102 @@ def steps_per_epoch_on_arrays(make_strategy):
     return result(model, history)
 
 
+class RunningInputMean(keras.layers.Layer):
+    """An exponential moving average of its inputs' batch mean, updated in its training call,
+    with aggregation="mean" (every worker's update averaged, as in one process when the rows
+    split evenly)."""
+
+    def build(self, shape):
+        self.ema = self.add_weight(shape=(shape[-1],), initializer="zeros", trainable=False, name="ema",
+                                   aggregation="mean")
+
+    def call(self, x, training=False):
+        if training:
+            self.ema.assign(0.9 * self.ema + 0.1 * keras.ops.mean(x, axis=0))
+        return x - self.ema
+
+
+@program()
+def layer_state_mean_in_step(make_strategy):
+    x, y = regression()
+    model, history = fit_mlp(make_strategy, x, y, model_fn=lambda: keras.Sequential(
+        [keras.Input((6,)), RunningInputMean(), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]))
+    return result(model, history)
+
+
+@program()
+def py_dataset_multiprocessing(make_strategy):
+    # Keras's own process pool makes the batches (forked after Horovod started its threads).
+    return fit_py_dataset(make_strategy, workers=2, use_multiprocessing=True)
+
+
+@program()
+def tensor_inputs(make_strategy):
+    # tf.Tensor inputs instead of NumPy arrays, for fit, evaluate and predict.
+    x, y = regression(n=100)
+    model = build(make_strategy)
+    history = model.fit(tf.constant(x), tf.constant(y), batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, model.evaluate(tf.constant(x), tf.constant(y), batch_size=GLOBAL_BATCH, verbose=0),
+                  model.predict(tf.constant(x[:40]), batch_size=16, verbose=0))
+
+
+@program()
+def fits_with_other_batch_sizes(make_strategy):
+    # One model, fit at one global batch, then at another, then evaluated at a third.
+    x, y = regression(n=96)
+    model = build(make_strategy)
+    first = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    second = model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    return result(model, second, model.evaluate(x, y, batch_size=48, verbose=0),
+                  first_history=first.history["loss"])
+
+
+@program()
+def add_loss_without_compiled_loss(make_strategy):
+    # compile() without a loss: the only loss is the one a layer adds (here, a regression loss
+    # the model computes itself from its target input).
+    x, y = regression()
+
+    def model_fn():
+        features, target = keras.Input((6,)), keras.Input((1,))
+        prediction = mlp()(features)
+
+        class SquaredError(keras.layers.Layer):
+            def call(self, prediction, target):
+                self.add_loss(keras.ops.mean(keras.ops.square(prediction - target)))
+                return prediction
+
+        return keras.Model([features, target], SquaredError()(prediction, target))
+
+    strategy = make_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(SEED)
+        model = model_fn()
+        model.compile(sgd())
+    history = model.fit([x, y], batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, model.evaluate([x, y], batch_size=GLOBAL_BATCH, verbose=0))
+
+
+@program()
+def stateful_lstm(make_strategy):
+    # A stateful LSTM (Keras's RNN guide): its state carries from one batch to the next, row by
+    # row, and is reset when an epoch begins. Each worker keeps the state of its own rows.
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(96, 4, 2)).astype("float32")
+    y = x.sum(axis=(1, 2))[:, None].astype("float32") / 4
+
+    def model_fn():
+        return keras.Sequential([keras.Input((4, 2), batch_size=GLOBAL_BATCH), keras.layers.LSTM(5, stateful=True),
+                                 keras.layers.Dense(1)])
+
+    model = build(make_strategy, model_fn)
+    reset = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: model.layers[0].reset_state())
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[reset])
+    evaluated = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)  # continues from training's state
+    model.layers[0].reset_state()
+    return result(model, history, evaluated, model.predict(x, batch_size=GLOBAL_BATCH, verbose=0))
+
+
 # Random layers draw per replica, as under tf.distribute (one process draws for the whole batch).
 @program("tf-mirrored")
 def dropout_and_gaussian_noise(make_strategy):

@@ -110,6 +110,15 @@ class StrategyHooks(abc.ABC):
         value from one exchange made on entry for all of them, not one exchange per read."""
         return contextlib.nullcontext()
 
+    def rows_of_this_rank(self, global_rows):
+        """How many rows of every global batch of `global_rows` rows this rank's step takes (the
+        same rows of each batch), or None where that changes from batch to batch."""
+        return global_rows
+
+    def this_ranks_rows(self, batch):
+        """This rank's rows of one global batch (eager tensors)."""
+        return batch
+
 
 INFINITE, UNKNOWN = -1, -2  # tf.data's cardinality codes
 
@@ -870,6 +879,20 @@ def _spec_batch(element_spec):
         lambda spec: spec if hasattr(spec, "shape") and hasattr(spec, "dtype") else None, element_spec)
 
 
+def _worker_spec_batch(spec_batch, hooks):
+    """`spec_batch` (of whole global batches) with the batch dimension a worker's step sees: its
+    rows of a batch of known size, unknown where its rows vary from batch to batch."""
+    import tensorflow as tf
+
+    def per_worker(spec):
+        if not isinstance(spec, tf.TensorSpec) or spec.shape.rank in (None, 0) or spec.shape[0] is None:
+            return spec
+        rows = hooks.rows_of_this_rank(int(spec.shape[0]))
+        return tf.TensorSpec([rows, *spec.shape[1:]], spec.dtype, spec.name)
+
+    return tf.nest.map_structure(lambda spec: None if spec is None else per_worker(spec), spec_batch)
+
+
 def _fully_defined_but_batch(spec_batch):
     import tensorflow as tf
 
@@ -923,11 +946,15 @@ def _patch_symbolic_build():
         if (iterator is None or data_batch is not None or not _strategy_hooks(self._distribute_strategy)
                 or not isinstance(iterator, tf_trainer.TFEpochIterator)):
             return original(self, iterator=iterator, data_batch=data_batch)
+        hooks = _strategy_hooks(self._distribute_strategy)
         data_batch = _spec_batch(iterator._distributed_dataset.element_spec)
         if not _fully_defined_but_batch(data_batch) and not _model_built(self):
             dataset_iterator = iter(original_get_iterator(iterator))
             data_batch = next(dataset_iterator)
             iterator._tfdp_primed = _PrimedIterator(dataset_iterator, data_batch)
+            data_batch = hooks.this_ranks_rows(data_batch)
+        else:
+            data_batch = _worker_spec_batch(data_batch, hooks)
         return original(self, iterator=None, data_batch=data_batch)
 
     @functools.wraps(original_get_iterator)
@@ -1364,6 +1391,37 @@ def _patch_batch_norm_moments():
     layer._moments = _moments
 
 
+def _patch_stateful_rnn_batch():
+    # keras/src/layers/rnn/rnn.py: a stateful RNN keeps one row of state per batch row, made in
+    # `build` from the batch of `keras.Input(batch_size=...)`, the global batch. Each worker's step
+    # takes its own rows of every global batch, the same rows each time, so each worker keeps the
+    # states of its rows: training follows one process. (tf.distribute raises, "Expected batch
+    # size: 32, Received batch size: 16".)
+    import tensorflow as tf
+    from keras.src.layers.rnn import rnn
+
+    original = rnn.RNN.build
+
+    @functools.wraps(original)
+    def build(self, sequences_shape, initial_state_shape=None):
+        if (self.stateful and self.states is None and sequences_shape and sequences_shape[0] is not None
+                and tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context()):
+            hooks = _strategy_hooks(tf.distribute.get_strategy())
+            if hooks is not None:
+                rows = hooks.rows_of_this_rank(int(sequences_shape[0]))
+                if rows is None:
+                    raise ValueError(
+                        f"{self.name} is stateful: it keeps a state for each row of the batch, so each worker must "
+                        "get the same rows of every batch, and balance=\"auto\" moves rows between the workers as "
+                        "it times them. Use a strategy without balance=\"auto\" (fixed shares, balance=[...], "
+                        "work) for a model with stateful=True layers.")
+                sequences_shape = (rows, *sequences_shape[1:])
+        return original(self, sequences_shape, initial_state_shape)
+
+    build._tfdp_original = original
+    rnn.RNN.build = build
+
+
 def _patch_summed_increments():
     # keras/src/backend/common/variables.py: `Variable.assign_add(value)` is
     # `self.assign(self + value)` (and `assign_sub` alike). In a step under a strategy, a variable
@@ -1469,6 +1527,7 @@ def install():
     _patch_saving()
     _patch_batch_norm_moments()
     _patch_summed_increments()
+    _patch_stateful_rnn_batch()
     _patch_loss_scaling()
     _patch_masked_loss_normalization()
     _installed = True
@@ -1481,6 +1540,7 @@ def hooked_functions():
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.callbacks import callback_list
     from keras.src.layers.normalization import batch_normalization
+    from keras.src.layers.rnn import rnn
     from keras.src.losses import loss as loss_module
     from keras.src.optimizers import base_optimizer, loss_scale_optimizer, multi_optimizer
     from keras.src.saving import saving_api
@@ -1516,6 +1576,7 @@ def hooked_functions():
         (batch_normalization.BatchNormalization, "_moments"),
         (core.Variable, "assign_add"),
         (core.Variable, "assign_sub"),
+        (rnn.RNN, "build"),
         (loss_module, "scale_loss_for_distribution"),
         (loss_module, "apply_mask"),
         (loss_module, "reduce_values"),

@@ -20,7 +20,7 @@ from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVaria
                                      XLA_ERROR, in_xla_context, local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
-from tfdp.strategies.data import num_rows, shard_global_batches, take_rows
+from tfdp.strategies.data import num_rows, rank_rows, shard_global_batches, take_rows
 
 _SIGNATURE_DIMS = 8
 
@@ -340,6 +340,18 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             yield
         finally:
             self._reduced_reads = previous
+
+    def rows_of_this_rank(self, global_rows):
+        if self.balancer is None:
+            start, stop = rank_rows(global_rows, self._rank, self._size)
+            return stop - start
+        if self.balancer.auto:
+            return None
+        bounds = self.balancer.bounds(global_rows).numpy()
+        return int(bounds[self._rank + 1] - bounds[self._rank])
+
+    def this_ranks_rows(self, batch):
+        return take_rows(batch, self._rank, self._size, self.balancer)
 
     def check_batch_size(self, batch_size):
         if batch_size is not None and batch_size < self._size:
