@@ -1400,6 +1400,8 @@ def _patch_stateful_rnn_batch():
     import tensorflow as tf
     from keras.src.layers.rnn import rnn
 
+    from tfdp._compat.tensorflow import variables_local_to_this_rank
+
     original = rnn.RNN.build
 
     @functools.wraps(original)
@@ -1418,8 +1420,19 @@ def _patch_stateful_rnn_batch():
                 sequences_shape = (rows, *sequences_shape[1:])
         return original(self, sequences_shape, initial_state_shape)
 
+    original_create = rnn.RNN._create_state_variables
+
+    @functools.wraps(original_create)
+    def _create_state_variables(self, batch_size):
+        # Each worker's own rows: neither broadcast from rank 0 nor checked against the other
+        # ranks, whose shares (and so shapes) may differ (3 workers: 11, 11 and 10 of 32 rows).
+        with variables_local_to_this_rank():
+            return original_create(self, batch_size)
+
     build._tfdp_original = original
+    _create_state_variables._tfdp_original = original_create
     rnn.RNN.build = build
+    rnn.RNN._create_state_variables = _create_state_variables
 
 
 def _patch_summed_increments():
@@ -1577,6 +1590,7 @@ def hooked_functions():
         (core.Variable, "assign_add"),
         (core.Variable, "assign_sub"),
         (rnn.RNN, "build"),
+        (rnn.RNN, "_create_state_variables"),
         (loss_module, "scale_loss_for_distribution"),
         (loss_module, "apply_mask"),
         (loss_module, "reduce_values"),

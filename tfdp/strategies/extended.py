@@ -179,6 +179,13 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         return tf.nest.pack_sequence_as(value, reduced)
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        rows = rows_in_this_step()
+        if rows is not None and self._op_name(reduce_op) == "average" and self._size > 1:
+            # A mean across workers inside a training step (what a variable with aggregation="mean"
+            # gets when a layer assigns it: a running mean of its inputs, say): each worker's value
+            # weighted by its rows, as one process takes the mean over the whole batch. Equal
+            # shares give the plain average.
+            return self._rows_weighted_mean(value, rows)
         return self._all_reduce_structure(reduce_op, value)
 
     def _sum_with_rows_weighted_backward(self, tensors, rows):
@@ -240,6 +247,13 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         if isinstance(value, Mirrored) and self._op_name(reduce_op) == "average":
             return self._local(value)  # Already the same on every worker.
         return self._all_reduce_structure(reduce_op, value)
+
+    def _rows_weighted_mean(self, value, rows):
+        flat = [self._local(v) for v in tf.nest.flatten(value)]
+        weight = tf.cast(rows, tf.float32)
+        *sums, total = self._in_step_allreduce([tf.cast(v, tf.float32) * weight for v in flat] + [weight])
+        means = [tf.cast(tf.math.divide_no_nan(s, total), v.dtype) for s, v in zip(sums, flat)]
+        return tf.nest.pack_sequence_as(value, means)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         return self._all_reduce_structure(reduce_op, [v for v, _ in value_destination_pairs])
