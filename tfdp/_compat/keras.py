@@ -890,7 +890,7 @@ def _worker_spec_batch(spec_batch, hooks):
         rows = hooks.rows_of_this_rank(int(spec.shape[0]))
         return tf.TensorSpec([rows, *spec.shape[1:]], spec.dtype, spec.name)
 
-    return tf.nest.map_structure(lambda spec: None if spec is None else per_worker(spec), spec_batch)
+    return tf.nest.map_structure(per_worker, spec_batch)  # None (an optional's spec) stays None
 
 
 def _fully_defined_but_batch(spec_batch):
@@ -943,10 +943,10 @@ def _patch_symbolic_build():
 
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if (iterator is None or data_batch is not None or not _strategy_hooks(self._distribute_strategy)
+        hooks = _strategy_hooks(self._distribute_strategy)
+        if (iterator is None or data_batch is not None or hooks is None
                 or not isinstance(iterator, tf_trainer.TFEpochIterator)):
             return original(self, iterator=iterator, data_batch=data_batch)
-        hooks = _strategy_hooks(self._distribute_strategy)
         data_batch = _spec_batch(iterator._distributed_dataset.element_spec)
         if not _fully_defined_but_batch(data_batch) and not _model_built(self):
             dataset_iterator = iter(original_get_iterator(iterator))

@@ -50,15 +50,19 @@ def _slice_rows(t, start, stop):
     return t[start:stop]
 
 
+def share_of_rank(n, rank, size, balancer=None):
+    """``(start, stop)`` of rank's rows of a global batch of `n` rows: equal shares, or the
+    `balancer`'s (int64 tensors then)."""
+    if balancer is None:
+        return rank_rows(n, rank, size)
+    bounds = balancer.bounds(n)
+    return bounds[rank], bounds[rank + 1]
+
+
 def take_rows(structure, rank, size, balancer=None):
     """This rank's rows of one global batch (any nest of dense, sparse or ragged tensors)."""
     flat = [t for t in tf.nest.flatten(structure, expand_composites=False) if t is not None]
-    n = num_rows(flat[0])
-    if balancer is None:
-        start, stop = rank_rows(n, rank, size)
-    else:
-        bounds = balancer.bounds(n)
-        start, stop = bounds[rank], bounds[rank + 1]
+    start, stop = share_of_rank(num_rows(flat[0]), rank, size, balancer)
     return tf.nest.map_structure(lambda t: None if t is None else _slice_rows(t, start, stop), structure)
 
 

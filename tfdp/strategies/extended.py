@@ -20,7 +20,7 @@ from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVaria
                                      XLA_ERROR, in_xla_context, local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
-from tfdp.strategies.data import num_rows, rank_rows, shard_global_batches, take_rows
+from tfdp.strategies.data import num_rows, shard_global_batches, share_of_rank, take_rows
 
 _SIGNATURE_DIMS = 8
 
@@ -185,7 +185,8 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             # gets when a layer assigns it: a running mean of its inputs, say): each worker's value
             # weighted by its rows, as one process takes the mean over the whole batch. Equal
             # shares give the plain average.
-            return self._rows_weighted_mean(value, rows)
+            flat = [self._local(v) for v in tf.nest.flatten(value)]
+            return tf.nest.pack_sequence_as(value, self._rows_weighted_average(flat, rows, self._in_step_allreduce))
         return self._all_reduce_structure(reduce_op, value)
 
     def _sum_with_rows_weighted_backward(self, tensors, rows):
@@ -248,13 +249,6 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             return self._local(value)  # Already the same on every worker.
         return self._all_reduce_structure(reduce_op, value)
 
-    def _rows_weighted_mean(self, value, rows):
-        flat = [self._local(v) for v in tf.nest.flatten(value)]
-        weight = tf.cast(rows, tf.float32)
-        *sums, total = self._in_step_allreduce([tf.cast(v, tf.float32) * weight for v in flat] + [weight])
-        means = [tf.cast(tf.math.divide_no_nan(s, total), v.dtype) for s, v in zip(sums, flat)]
-        return tf.nest.pack_sequence_as(value, means)
-
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         return self._all_reduce_structure(reduce_op, [v for v, _ in value_destination_pairs])
 
@@ -313,7 +307,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         # still in flight. Reading the fence before and bumping it after chains them.
         with tf.control_dependencies([self._outputs_fence.read_value()]):
             if op == "average" and floats:
-                reduced = self._rows_weighted_average([flat[i] for i in floats])
+                reduced = self._rows_weighted_average([flat[i] for i in floats], self._rows_since_reset.read_value())
             else:
                 reduced = self.communicator.allreduce([tf.identity(flat[i]) for i in floats], op=op)
             summed = self.communicator.allreduce([tf.identity(flat[i]) for i in ints], op="sum")
@@ -325,14 +319,14 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             flat[i] = tf.truncatediv(r, tf.cast(self._size, r.dtype)) if op == "average" else r
         return tf.nest.pack_sequence_as(values, flat)
 
-    def _rows_weighted_average(self, means):
-        """Each rank's running means weighted by its rows since the metrics were reset: the
-        global means when the ranks' rows differ (a global batch that does not split evenly,
-        `balance`), the plain average when they do not."""
-        rows = tf.cast(self._rows_since_reset.read_value(), tf.float32)
-        summed = self.communicator.allreduce([tf.cast(m, tf.float32) * rows for m in means] + [rows], op="sum")
-        *summed, total = summed
-        return [tf.cast(tf.math.divide_no_nan(value, total), m.dtype) for value, m in zip(summed, means)]
+    def _rows_weighted_average(self, means, rows, summed=None):
+        """Each rank's `means` weighted by its `rows`: the global means when the ranks' rows differ
+        (a global batch that does not split evenly, `balance`), the plain average when they do
+        not. `summed` sums a list of tensors across ranks (default: one all-reduce)."""
+        summed = summed or (lambda tensors: self.communicator.allreduce(tensors, op="sum"))
+        weight = tf.cast(rows, tf.float32)
+        *sums, total = summed([tf.cast(m, tf.float32) * weight for m in means] + [weight])
+        return [tf.cast(tf.math.divide_no_nan(s, total), m.dtype) for s, m in zip(sums, means)]
 
     @contextlib.contextmanager
     def reads_reduced_together(self, variables):
@@ -356,13 +350,10 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             self._reduced_reads = previous
 
     def rows_of_this_rank(self, global_rows):
-        if self.balancer is None:
-            start, stop = rank_rows(global_rows, self._rank, self._size)
-            return stop - start
-        if self.balancer.auto:
+        if self.balancer is not None and self.balancer.auto:
             return None
-        bounds = self.balancer.bounds(global_rows).numpy()
-        return int(bounds[self._rank + 1] - bounds[self._rank])
+        start, stop = share_of_rank(global_rows, self._rank, self._size, self.balancer)
+        return int(stop - start)
 
     def this_ranks_rows(self, batch):
         return take_rows(batch, self._rank, self._size, self.balancer)
