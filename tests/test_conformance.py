@@ -6,7 +6,7 @@ under `tf.distribute.MirroredStrategy` on two logical CPUs, and under
 process, or tf.distribute where Keras defines the result by it) within 1e-5 relative, in
 weights, History, evaluate and predict, with both ranks reporting the same numbers. The
 table of all programs is written to ``conformance.md`` in the test's output folder and
-printed with ``pytest -s``. The quick tier runs 30 of the 95 programs (`FULL_TIER_ONLY`
+printed with ``pytest -s``. The quick tier runs 30 of the 101 programs (`FULL_TIER_ONLY`
 names the others, each a variant of a quick one); the full tier runs all.
 """
 
@@ -58,6 +58,8 @@ FULL_TIER_ONLY = {"weighted_validation_with_its_own_batch_size", "time_distribut
                   "input_with_a_fixed_batch_size", "steps_per_epoch_on_arrays", "dropout_and_gaussian_noise",
                   "mean_with_sample_weight_loss", "evaluate_and_predict_for_some_steps", "autoencoder_on_inputs_alone",
                   "two_optimizers_custom_step", "custom_metric_python_number", "validation_split", "dict_inputs",
+                  "float64_arrays_and_uint8_labels", "scipy_sparse_inputs", "padded_batch_variable_lengths",
+                  "timeseries_windows", "validation_from_a_generator", "image_files_from_a_directory",
                   "lr_callbacks", "layer_state_mean_in_step", "py_dataset_multiprocessing", "tensor_inputs",
                   "fits_with_other_batch_sizes", "add_loss_without_compiled_loss"}
 

@@ -135,3 +135,33 @@ def test_fit_under_tfdp_cuts_unshuffled_arrays_and_leaves_shuffled_ones_to_keras
     # Controls: shuffled arrays, and arrays without a tfdp strategy, keep Keras's mapped pipeline.
     assert "_ParallelMapDataset" in kinds(True, strategy)
     assert "_ParallelMapDataset" in kinds(False, tf.distribute.get_strategy())
+
+
+def test_dataset_order_tells_a_seeded_shuffle_from_one_each_process_draws():
+    from tfdp._compat.tensorflow import ORDER_DRAWN_PER_PROCESS, dataset_order
+    from tfdp._compat.tensorflow import global_seed
+
+    previous = global_seed()
+    tf.random.set_seed(None)
+    try:
+        rows = tf.data.Dataset.range(64)
+        # Nothing random: 0; a seeded shuffle anywhere upstream: its seeds, equal for equal seeds.
+        assert dataset_order(rows.map(lambda x: x + 1).batch(8)) == 0
+        seeded = dataset_order(rows.shuffle(64, seed=3).batch(8).prefetch(2))
+        assert seeded not in (0, ORDER_DRAWN_PER_PROCESS)
+        assert dataset_order(rows.shuffle(64, seed=3).batch(8)) == seeded
+        assert dataset_order(rows.shuffle(64, seed=4).batch(8)) != seeded
+        # Orders no seed fixes: each process draws its own.
+        for drawn in (rows.shuffle(64), tf.data.Dataset.zip((rows, rows.shuffle(8))),
+                      tf.data.Dataset.sample_from_datasets([rows, rows]),
+                      rows.map(lambda x: x * 2, num_parallel_calls=2, deterministic=False)):
+            assert dataset_order(drawn.batch(8)) == ORDER_DRAWN_PER_PROCESS
+        # With a global seed the op seeds follow from it: the same sequence in every process.
+        tf.random.set_seed(5)
+        first = [dataset_order(rows.shuffle(64)) for _ in range(2)]
+        tf.random.set_seed(5)
+        assert [dataset_order(rows.shuffle(64)) for _ in range(2)] == first
+        assert ORDER_DRAWN_PER_PROCESS not in first and first[0] != first[1]
+        assert dataset_order([1, 2]) == 0  # not a dataset
+    finally:
+        tf.random.set_seed(previous)

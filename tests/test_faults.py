@@ -29,13 +29,15 @@ BAD_INPUT = {
 @pytest.fixture(scope="module")
 def survived(tmp_path_factory):
     """The faults a job survives, one script after another in one 2-worker job (one TensorFlow
-    start for all): bad input, uneven inputs, non-finite gradients, data already split per rank."""
+    start for all): bad input, uneven inputs, non-finite gradients, data already split per rank,
+    datasets shuffled differently on each rank."""
     out = tmp_path_factory.mktemp("survived")
     for folder in ("uneven", "nonfinite"):
         (out / folder).mkdir()
     run = run_workers("in_sequence.py", 2, ["faults.py", "--cases", *BAD_INPUT, "--", "uneven.py", "--out",
                                             out / "uneven", "--", "nonfinite.py", "--out", out / "nonfinite",
-                                            "--", "split_inputs.py"], timeout=2 * BOUND_SECONDS)
+                                            "--", "split_inputs.py", "--", "shuffled_datasets.py"],
+                      timeout=2 * BOUND_SECONDS)
     assert run.returncode == 0, run.output[-4000:]
     return run, out
 
@@ -141,6 +143,22 @@ def test_data_already_split_per_rank_is_warned_on_every_rank(survived):
         # Negative control: whole data on every rank (fit and evaluate) says nothing.
         assert len(warnings) == 1 and warnings[0] > split_at, lines
         assert "x[rank::size]" in lines[warnings[0]] and f"this is rank {rank}" in lines[warnings[0]]
+
+
+def test_datasets_shuffled_differently_on_each_rank_are_warned_on_every_rank(survived):
+    run, _ = survived
+    for rank in (0, 1):
+        lines = section(run.output, "shuffled_datasets.py", rank)
+        cases = {line[len("case: "):]: i for i, line in enumerate(lines) if line.startswith("case: ")}
+        warnings = [i for i, line in enumerate(lines) if line.startswith("tfdp: warning: the tf.data pipeline")]
+        # Negative controls: a seeded shuffle, and an unseeded one built after the strategy, say nothing.
+        # Seeds that differ between ranks and a shuffle without any seed are warned about once each.
+        assert len(warnings) == 2, lines
+        assert cases["seeds differ"] < warnings[0] < cases["seeds differ again"], lines
+        assert cases["unseeded"] < warnings[1] < cases["done"], lines
+        assert "ranks [1] shuffles with other seeds than rank 0's" in lines[warnings[0]]
+        assert "ranks [0, 1] shuffles without a seed" in lines[warnings[1]]
+        assert f"this is rank {rank}" in lines[warnings[1]] and "seed=" in lines[warnings[1]]
 
 
 def test_uneven_inputs_end_every_rank_at_the_same_step(survived):

@@ -55,19 +55,19 @@ def job(tmp_path, preset, name, backup, *extra):
     return run, result(tmp_path, name)
 
 
-def resumed_then_control(tmp_path, preset, control_backup, *control_extra):
-    """The resume and its negative control, one after the other in one job (one TensorFlow start)."""
+def resumed_control_and_uninterrupted(tmp_path, preset, control_backup, *control_extra):
+    """The resume, its negative control and the uninterrupted run, one after the other in one job
+    (one TensorFlow start)."""
     run = run_workers("in_sequence.py", 2, ["resume.py", *arguments(tmp_path, preset, "resumed", "backup"), "--",
                                             "resume.py", *arguments(tmp_path, preset, "control", control_backup,
-                                                                    *control_extra)],
-                      timeout=2 * BOUND_SECONDS)
-    return run, result(tmp_path, "resumed"), result(tmp_path, "control")
+                                                                    *control_extra), "--",
+                                            "resume.py", *arguments(tmp_path, preset, "full", "backup-full")],
+                      timeout=3 * BOUND_SECONDS)
+    return run, result(tmp_path, "resumed"), result(tmp_path, "control"), result(tmp_path, "full")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_kill_and_resume_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, preset):
-    full, full_state = job(tmp_path, preset, "full", "backup-full")
-    assert full.returncode == 0, full.output[-3000:]
     killed, _ = job(tmp_path, preset, "killed", "backup", "--die-at-epoch", 3)
     assert killed.returncode != 0 and "Process name: 1\nExit code: 137" in killed.output, killed.output[-3000:]
     # Rank 0 saved epochs 0-2 before rank 1 died in epoch 3; rank 1 never wrote.
@@ -84,7 +84,7 @@ def test_kill_and_resume_ends_with_the_weights_of_an_uninterrupted_run(tmp_path,
         control = ("backup-unsettled", "--drop-reducer-state")
     else:
         control = ("backup-copy", "--drop-reducer-state")
-    run, resumed_state, control_state = resumed_then_control(tmp_path, preset, *control)
+    run, resumed_state, control_state, full_state = resumed_control_and_uninterrupted(tmp_path, preset, *control)
     assert run.returncode == 0, run.output[-3000:]
     assert (resumed_state["first_epoch"], resumed_state["epochs_trained"]) == (3, 3)
     assert resumed_state["iterations"] == full_state["iterations"]

@@ -1304,6 +1304,118 @@ def stateful_lstm(make_strategy):
     return result(model, history, evaluated, model.predict(x, batch_size=GLOBAL_BATCH, verbose=0))
 
 
+class CenteredMlp(keras.Model):
+    """A subclassed model that subtracts a stored float32 offset from its inputs itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = self.add_weight(shape=(6,), initializer="zeros", trainable=False, name="offset")
+        self.hidden, self.out = keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs - self.offset))
+
+
+@program()
+def float64_arrays_and_uint8_labels(make_strategy):
+    # NumPy's default dtype (and scikit-learn's loaders'): float64 features and sample weights,
+    # uint8 labels. Keras casts floats to float32 before the model sees them.
+    x, y = classification()
+    x, y = x.astype("float64"), y.astype("uint8")
+    weights = np.linspace(0.5, 1.5, len(x))  # float64
+    model = build(make_strategy, CenteredMlp, lambda: {"optimizer": keras.optimizers.SGD(0.05),
+                                                       "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                                       "weighted_metrics": ["accuracy"]})
+    history = model.fit(x, y, sample_weight=weights, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  model.predict(x[:40], batch_size=16, verbose=0))
+
+
+@program()
+def scipy_sparse_inputs(make_strategy):
+    # A SciPy CSR matrix, as scikit-learn's text vectorizers return (Keras makes tf.SparseTensors).
+    import scipy.sparse
+
+    rng = np.random.default_rng(8)
+    x = scipy.sparse.random(100, 20, density=0.2, format="csr", random_state=8, dtype=np.float32)
+    y = (x @ rng.normal(size=(20, 1))).astype("float32")
+    model = build(make_strategy, lambda: keras.Sequential([keras.Input((20,), sparse=True), keras.layers.Dense(8),
+                                                           keras.layers.Dense(1)]))
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history, model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                  model.predict(x[:40], batch_size=16, verbose=0))
+
+
+@program()
+def padded_batch_variable_lengths(make_strategy):
+    # Sequences of varying length, padded per batch by tf.data: each step's length differs.
+    rng = np.random.default_rng(9)
+    lengths = rng.integers(2, 12, size=100)
+    sequences = [rng.integers(1, 20, size=n) for n in lengths]
+    labels = np.array([s.sum() % 2 for s in sequences], "float32")
+    ds = tf.data.Dataset.from_generator(lambda: zip(sequences, labels), output_signature=(
+        tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32))).padded_batch(GLOBAL_BATCH)
+    model = build(make_strategy, lambda: keras.Sequential([
+        keras.Input((None,), dtype="int64"), keras.layers.Embedding(20, 4, mask_zero=True), keras.layers.GRU(5),
+        keras.layers.Dense(1, activation="sigmoid")]),
+        lambda: {"optimizer": sgd(), "loss": "binary_crossentropy", "metrics": ["accuracy"]})
+    history = model.fit(ds, epochs=2, verbose=0)
+    return result(model, history, model.evaluate(ds, verbose=0))
+
+
+@program()
+def timeseries_windows(make_strategy):
+    # keras.utils.timeseries_dataset_from_array, shuffled with a seed: windows of a series.
+    series = np.sin(np.arange(300) / 7.0).astype("float32")[:, None]
+    ds = keras.utils.timeseries_dataset_from_array(series[:-8], series[8:], sequence_length=8, batch_size=GLOBAL_BATCH,
+                                                   shuffle=True, seed=4)
+    model = build(make_strategy, lambda: keras.Sequential([keras.Input((8, 1)), keras.layers.Conv1D(4, 3),
+                                                           keras.layers.Flatten(), keras.layers.Dense(1)]))
+    history = model.fit(ds, epochs=2, verbose=0)
+    return result(model, history)
+
+
+@program()
+def validation_from_a_generator(make_strategy):
+    # validation_data as a Python generator, read validation_steps batches at each epoch's end.
+    x, y = regression()
+
+    def validation():
+        while True:
+            for i in range(0, 64, GLOBAL_BATCH):
+                yield x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]
+
+    model, history = fit_mlp(make_strategy, x, y, validation_data=validation(), validation_steps=2)
+    return result(model, history)
+
+
+@program()
+def image_files_from_a_directory(make_strategy):
+    # keras.utils.image_dataset_from_directory over PNG files (seeded shuffle), rescaled in the model.
+    import os
+    import shutil
+    import tempfile
+
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    folder = tempfile.mkdtemp(prefix="conformance-images-")
+    for i, (image, label) in enumerate(zip(digits.images[:96], digits.target[:96])):
+        os.makedirs(os.path.join(folder, str(label)), exist_ok=True)
+        png = tf.io.encode_png(tf.constant((image * 15).astype("uint8")[:, :, None]))
+        tf.io.write_file(os.path.join(folder, str(label), f"{i}.png"), png)
+    ds = keras.utils.image_dataset_from_directory(folder, color_mode="grayscale", image_size=(8, 8),
+                                                  batch_size=GLOBAL_BATCH, seed=5)
+    model = build(make_strategy, lambda: keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Rescaling(1 / 255), keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.Flatten(), keras.layers.Dense(10)]),
+        lambda: {"optimizer": sgd(), "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)})
+    history = model.fit(ds, epochs=2, verbose=0)
+    evaluated = model.evaluate(ds, verbose=0)
+    shutil.rmtree(folder)
+    return result(model, history, evaluated)
+
+
 # Random layers draw per replica, as under tf.distribute (one process draws for the whole batch).
 @program("tf-mirrored")
 def dropout_and_gaussian_noise(make_strategy):

@@ -50,11 +50,12 @@ class StrategyHooks(abc.ABC):
         """Raise when a global batch cannot give every worker a row."""
 
     @abc.abstractmethod
-    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0):
+    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0, order=0):
         """Agree across ranks on how to iterate an epoch; return ``(mode, batches)``.
 
         `count` is this rank's batches per epoch: an int, ``INFINITE`` or ``UNKNOWN``;
-        `content` a fingerprint of in-memory inputs (0: not known).
+        `content` a fingerprint of in-memory inputs (0: not known); `order` how a tf.data
+        pipeline orders its elements (`tfdp._compat.tensorflow.dataset_order`).
         Modes: ``"as_is"`` (every rank iterates the same way), ``"fewest"`` (stop after
         `batches`) or ``"each_step"`` (agree before every step whether all ranks have data).
         """
@@ -1286,6 +1287,8 @@ def _patch_epoch_iterator():
     # up to the fewest batches, or (inputs of unknown length) step by step.
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
+    from tfdp._compat.tensorflow import dataset_order
+
     original_init = tf_trainer.TFEpochIterator.__init__
     original_next = tf_trainer.TFEpochIterator.__next__
 
@@ -1301,7 +1304,8 @@ def _patch_epoch_iterator():
             return
         hooks.check_batch_size(getattr(self.data_adapter, "batch_size", None))
         mode, fewest = hooks.agree_on_inputs(_input_count(self), self._distributed_dataset.element_spec,
-                                             bool(self.steps_per_epoch), content=_content_fingerprint(self))
+                                             bool(self.steps_per_epoch), content=_content_fingerprint(self),
+                                             order=dataset_order(self._distributed_dataset))
         if mode == "fewest":
             self._distributed_dataset = self._distributed_dataset.take(fewest)
             self.data_adapter = _FewerBatches(self.data_adapter, fewest)

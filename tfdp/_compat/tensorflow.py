@@ -93,6 +93,56 @@ def global_seed():
     return tf.compat.v1.get_default_graph().seed
 
 
+#: `dataset_order`'s answer for a pipeline whose order each process draws for itself.
+ORDER_DRAWN_PER_PROCESS = -1
+
+
+def dataset_order(dataset):
+    """How `dataset` orders its elements, comparable across processes.
+
+    0 when nothing in it draws an order (no shuffle, no random dataset, no parallel stage
+    allowed to reorder); `ORDER_DRAWN_PER_PROCESS` when a stage draws one that no seed fixes
+    (``shuffle`` or ``Dataset.random`` without an op seed and without a global seed, or a parallel
+    ``map``/``batch`` with ``deterministic=False``); otherwise a CRC-32 of the stages' seeds, equal
+    on two processes exactly when they shuffle alike.
+
+    Walks the Python dataset objects (`_inputs()`, tensorflow/python/data/ops/dataset_ops.py),
+    reading the shuffle and random stages' ``_seed``/``_seed2`` (shuffle_op.py, random_op.py) and
+    the parallel stages' ``_deterministic`` (map_op.py, batch_op.py). A stage it cannot read
+    counts as drawing no order.
+
+    Example:
+        >>> dataset_order(tf.data.Dataset.range(8).shuffle(8, seed=1)) == dataset_order(
+        ...     tf.data.Dataset.range(8).shuffle(8, seed=1))
+        True
+    """
+    import zlib
+
+    try:
+        deterministic_by_default = dataset.options().deterministic is not False
+    except Exception:  # noqa: BLE001 - not a tf.data dataset: nothing to read
+        return 0
+    seeds, seen, pending = [], set(), [dataset]
+    while pending:
+        stage = pending.pop()
+        if id(stage) in seen:
+            continue
+        seen.add(id(stage))
+        if hasattr(stage, "_seed") and hasattr(stage, "_seed2"):
+            pair = [int(tf.get_static_value(s) or 0) for s in (stage._seed, stage._seed2)]
+            if pair == [0, 0]:  # the kernel draws a random seed of its own
+                return ORDER_DRAWN_PER_PROCESS
+            seeds.append(pair)
+        flag = getattr(stage, "_deterministic", "true")
+        if flag == "false" or (flag == "default" and not deterministic_by_default):
+            return ORDER_DRAWN_PER_PROCESS
+        try:
+            pending.extend(stage._inputs())
+        except Exception:  # noqa: BLE001 - a stage that does not list its inputs ends the walk here
+            pass
+    return zlib.crc32(repr(seeds).encode()) or 1 if seeds else 0
+
+
 XLA_ERROR = ("tfdp runs Horovod collectives, which cannot be compiled by XLA. Received a step compiled with "
              "jit_compile=True. Pass jit_compile=False to tf.function (model.compile(jit_compile=True) "
              "falls back to False by itself).")

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tfdp._compat.keras import (UNKNOWN, StrategyHooks, distributing_for_keras, one_replica_step,
                                 step_takes_whole_batch)
 from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVariable, creating_local_variables,
-                                     XLA_ERROR, in_xla_context, local_variable)
+                                     ORDER_DRAWN_PER_PROCESS, XLA_ERROR, in_xla_context, local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, share_of_rank, take_rows
@@ -365,11 +365,12 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
                 f"({self._size}): every worker needs at least one row per batch. The batch_size "
                 f"passed to fit/evaluate/predict is the global batch; use batch_size >= {self._size}.")
 
-    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0):
+    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0, order=0):
         """Check the ranks' inputs match; choose how every rank iterates the epoch.
 
         Inputs of different shapes or dtypes are an error on every rank; in-memory inputs
-        whose rows differ (`content`, a fingerprint) a warning, once. Equal, known
+        whose rows differ (`content`, a fingerprint) a warning, once; so are tf.data pipelines
+        that order their elements differently (`order`, `tfdp._compat.tensorflow.dataset_order`). Equal, known
         lengths (or endless inputs) need nothing. Known lengths that differ: every rank
         stops after the fewest batches, every epoch, and the ranks with more say so on
         stderr (no rows are padded). Otherwise (a length is unknown: generators, or
@@ -380,8 +381,8 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             return "as_is", None
         spec = _describe_spec(element_spec)
         gathered = self.communicator.allgather(
-            tf.constant([[int(count), zlib.crc32(spec.encode()), int(content)]], tf.int64)).numpy().tolist()
-        counts, fingerprints, contents = ([row[i] for row in gathered] for i in range(3))
+            tf.constant([[int(count), zlib.crc32(spec.encode()), int(content), int(order)]], tf.int64)).numpy().tolist()
+        counts, fingerprints, contents, orders = ([row[i] for row in gathered] for i in range(4))
         differ = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
         if differ:
             raise ValueError(
@@ -389,6 +390,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
                 f"(this is rank {self._rank}, whose inputs are {spec}). Pass inputs of the same "
                 f"shapes and dtypes on every rank.")
         self._warn_if_inputs_differ(contents)
+        self._warn_if_order_differs(orders)
         if len(set(counts)) == 1 and counts[0] != UNKNOWN:
             return "as_is", None
         if min(counts) >= 0 and not has_steps_per_epoch:
@@ -412,6 +414,32 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
               f"batch, and each rank trains on its rows of it. Data already split per rank (x[rank::size], "
               f"Horovod style) is split again, and each rank trains on 1/{self._size} of its share. Pass "
               "the whole data on every rank.", file=sys.stderr)
+
+    def _warn_if_order_differs(self, orders):
+        """Once per strategy and kind: a tf.data pipeline whose order a rank draws for itself (a
+        shuffle without a seed, built before the strategy shared one) or whose seeds differ
+        between ranks gives each rank other global batches, and the ranks' rows of them do not
+        partition the data."""
+        if ORDER_DRAWN_PER_PROCESS in orders:
+            kind = "drawn"
+            ranks = [r for r, o in enumerate(orders) if o == ORDER_DRAWN_PER_PROCESS]
+            cause = ("shuffles without a seed, built before the strategy shared TF's global seed (or a "
+                     "parallel map reorders: deterministic=False)")
+        elif len(set(orders)) > 1:
+            kind = "differ"
+            ranks = [r for r, o in enumerate(orders) if o != orders[0]]
+            cause = ("shuffles with other seeds than rank 0's (keras.utils.*_dataset_from_* draw one from "
+                     "NumPy when seed=None)")
+        else:
+            return
+        warned = self.__dict__.setdefault("_warned_orders", set())
+        if kind in warned:
+            return
+        warned.add(kind)
+        print(f"tfdp: warning: the tf.data pipeline of ranks {ranks} {cause} (this is rank {self._rank}). The "
+              "ranks read different global batches, so each epoch some rows train twice and others not at all. "
+              "Pass the same seed on every rank (shuffle(..., seed=...), or seed=... to the Keras utility), or "
+              "build the dataset after creating the strategy.", file=sys.stderr)
 
     def all_have_data(self, has_data):
         flags = self.communicator.allgather(tf.constant([int(has_data)], tf.int32)).numpy().tolist()

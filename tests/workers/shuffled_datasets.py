@@ -1,0 +1,39 @@
+"""tf.data pipelines that shuffle: the same order on every rank (a seed, or built after the
+strategy shared TF's global seed) says nothing; an order each rank draws for itself (no seed,
+built before the strategy) or seeds that differ between ranks are warned about on every rank,
+once per kind. Prints a marker line before each fit. Run in a fresh process or after other
+scripts: it clears TF's global seed first."""
+
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfdp
+
+
+def main():
+    tf.random.set_seed(None)  # as in a fresh process: no global seed yet
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(128, 4)).astype("float32"), rng.normal(size=(128, 1)).astype("float32")
+    rows = tf.data.Dataset.from_tensor_slices((x, y))
+    seeded = rows.shuffle(128, seed=3).batch(32)
+    unseeded = rows.shuffle(128).batch(32)  # built before the strategy: each rank draws its order
+    strategy = tfdp.MirroredStrategy()
+    after = rows.shuffle(128).batch(32)  # TF's global seed is shared now: every rank draws alike
+    # seed=None: the utility draws a seed from NumPy's generator, which differs between processes.
+    np.random.seed(tfdp.rank())
+    windows = keras.utils.timeseries_dataset_from_array(x, y, sequence_length=1, batch_size=32, shuffle=True)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    for case, data in (("seeded", seeded), ("built after the strategy", after), ("seeds differ", windows),
+                       ("seeds differ again", windows), ("unseeded", unseeded)):
+        print(f"case: {case}", file=sys.stderr, flush=True)
+        model.fit(data.map(lambda features, target: (tf.reshape(features, [-1, 4]), target)), epochs=1, verbose=0)
+    print("case: done", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
