@@ -1510,9 +1510,15 @@ def _patch_saving():
     # writing one `.keras` zip race. The other ranks write to a temporary directory instead
     # (Keras's advice for MultiWorkerMirroredStrategy), so every rank runs the same saving code
     # and raises the same errors (an unsettled sharded state), and no collective is needed: the
-    # Horovod idiom `if rank == 0: model.save(...)` still works.
+    # Horovod idiom `if rank == 0: model.save(...)` still works. keras/src/models/model.py
+    # `Model.export(filepath, ...)` (a SavedModel for serving) too: two ranks exporting to one
+    # directory failed in TF's MergeV2Checkpoints (1 of 15 exports here), each rank missing the
+    # other's temporary variables file.
     import keras
+    from keras.src.models import model as model_module
     from keras.src.saving import saving_api
+
+    model_module.Model.export = _written_on_rank_0(model_module.Model.export)
 
     for name in ("save_model", "save_weights"):
         original = getattr(saving_api, name)
@@ -1559,6 +1565,7 @@ def hooked_functions():
     from keras.src.layers.normalization import batch_normalization
     from keras.src.layers.rnn import rnn
     from keras.src.losses import loss as loss_module
+    from keras.src.models import model as model_module
     from keras.src.optimizers import base_optimizer, loss_scale_optimizer, multi_optimizer
     from keras.src.saving import saving_api
     from keras.src.trainers import trainer
@@ -1590,6 +1597,7 @@ def hooked_functions():
         (trainer.Trainer, "compile"),
         (saving_api, "save_model"),
         (saving_api, "save_weights"),
+        (model_module.Model, "export"),
         (batch_normalization.BatchNormalization, "_moments"),
         (core.Variable, "assign_add"),
         (core.Variable, "assign_sub"),
