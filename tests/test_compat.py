@@ -10,6 +10,7 @@ import functools
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdp
 from tfdp._compat import keras as keras_hooks
@@ -74,6 +75,7 @@ def ordinary_program(tmp_path):
     model.save(tmp_path / "m.keras")
     model.save_weights(tmp_path / "m.weights.h5")
     model.export(tmp_path / "exported", verbose=False)
+    tf.saved_model.save(model, str(tmp_path / "saved"))
 
 
 def test_keras_calls_every_hook(tmp_path):

@@ -218,9 +218,9 @@ def test_only_rank_0_writes_checkpoints_logs_and_saved_models(results):
     plain = results["plain-rank0"]["checkpoints_and_logs_on_rank_0"]
     ours = [results[f"tfdp-rank{r}"]["checkpoints_and_logs_on_rank_0"] for r in (0, 1)]
     # 3 epoch checkpoints, one TensorBoard event file per writer, the backup, the saved model, the
-    # exported SavedModel (its graph, fingerprint and variables).
+    # exported SavedModel and the one tf.saved_model.save writes (graph, fingerprint, variables).
     assert plain["per_rank_checkpoints"] == ours[0]["per_rank_checkpoints"] == 3
-    assert ours[0]["per_rank_files_written"] == plain["per_rank_files_written"] >= 10
+    assert ours[0]["per_rank_files_written"] == plain["per_rank_files_written"] >= 14
     assert (ours[1]["per_rank_files_written"], ours[1]["per_rank_checkpoints"]) == (0, 0)
     assert results["tfdp-rank0"]["mixed_precision"]["uncompared_optimizer"] == "LossScaleOptimizer"
 

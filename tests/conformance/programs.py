@@ -1444,7 +1444,8 @@ def mixed_precision(make_strategy):
 
 @program()
 def checkpoints_and_logs_on_rank_0(make_strategy):
-    """ModelCheckpoint, TensorBoard, BackupAndRestore, model.save and model.export write on rank 0 only."""
+    """ModelCheckpoint, TensorBoard, BackupAndRestore, model.save, model.export and tf.saved_model.save
+    write on rank 0 only."""
     import os
     import shutil
     import tempfile
@@ -1459,6 +1460,7 @@ def checkpoints_and_logs_on_rank_0(make_strategy):
         if rank() == 0:  # the Horovod idiom: only rank 0 saves, the others go on (no collective in save)
             model.save(os.path.join(folder, "model.keras"))
         model.export(os.path.join(folder, "exported"), verbose=False)  # an unchanged script: on every rank
+        tf.saved_model.save(model, os.path.join(folder, "saved"))
         written = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

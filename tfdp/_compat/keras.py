@@ -1519,6 +1519,13 @@ def _patch_saving():
     from keras.src.saving import saving_api
 
     model_module.Model.export = _written_on_rank_0(model_module.Model.export)
+    # `tf.saved_model.save(model, export_dir)` of a Keras model, likewise (other objects, such as
+    # the archive `Model.export` writes through it, pass through unchanged). Hooked where
+    # tensorflow/python/saved_model/save.py `save` calls it: importing `tensorflow.saved_model.*`
+    # (Model.export does) replaces the public module, and a hook set on it.
+    from tensorflow.python.saved_model import save as saved_model_save
+
+    saved_model_save.save_and_return_nodes = _written_on_rank_0(saved_model_save.save_and_return_nodes)
 
     for name in ("save_model", "save_weights"):
         original = getattr(saving_api, name)
@@ -1570,6 +1577,7 @@ def hooked_functions():
     from keras.src.saving import saving_api
     from keras.src.trainers import trainer
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+    from tensorflow.python.saved_model import save as saved_model_save
 
     return [
         (base_optimizer.BaseOptimizer, "_clip_gradients"),
@@ -1598,6 +1606,7 @@ def hooked_functions():
         (saving_api, "save_model"),
         (saving_api, "save_weights"),
         (model_module.Model, "export"),
+        (saved_model_save, "save_and_return_nodes"),
         (batch_normalization.BatchNormalization, "_moments"),
         (core.Variable, "assign_add"),
         (core.Variable, "assign_sub"),
