@@ -30,13 +30,14 @@ BAD_INPUT = {
 def survived(tmp_path_factory):
     """The faults a job survives, one script after another in one 2-worker job (one TensorFlow
     start for all): bad input, uneven inputs, non-finite gradients, data already split per rank,
-    datasets shuffled differently on each rank."""
+    datasets shuffled differently on each rank, callbacks that stop training on one rank."""
     out = tmp_path_factory.mktemp("survived")
     for folder in ("uneven", "nonfinite"):
         (out / folder).mkdir()
     run = run_workers("in_sequence.py", 2, ["faults.py", "--cases", *BAD_INPUT, "--", "uneven.py", "--out",
                                             out / "uneven", "--", "nonfinite.py", "--out", out / "nonfinite",
-                                            "--", "split_inputs.py", "--", "shuffled_datasets.py"],
+                                            "--", "split_inputs.py", "--", "shuffled_datasets.py", "--",
+                                            "rank_local_stop.py"],
                       timeout=2 * BOUND_SECONDS)
     assert run.returncode == 0, run.output[-4000:]
     return run, out
@@ -159,6 +160,31 @@ def test_datasets_shuffled_differently_on_each_rank_are_warned_on_every_rank(sur
         assert "ranks [1] shuffles with other seeds than rank 0's" in lines[warnings[0]]
         assert "ranks [0, 1] shuffles without a seed" in lines[warnings[1]]
         assert f"this is rank {rank}" in lines[warnings[1]] and "seed=" in lines[warnings[1]]
+
+
+def test_a_callback_that_stops_one_rank_stops_every_rank_there(survived):
+    run, _ = survived
+    stopped = {}
+    for rank in (0, 1):
+        lines = section(run.output, "rank_local_stop.py", rank)
+        case = None
+        for line in lines:
+            if line.startswith("case: "):
+                case = line[len("case: "):]
+            elif line.startswith("stopped: ") or line.startswith("tfdp: rank"):
+                stopped.setdefault((rank, case), []).append(line)
+    # 4 batches an epoch. Before tfdp agreed, the other rank waited in its next step until the
+    # step watchdog ended the job (120 s).
+    for case, iterations, asked in (("batch on rank 1", 3, 1), ("epoch on rank 0", 8, 0), ("lambda on rank 1", 2, 1),
+                                    ("every rank", 3, None)):
+        results = [stopped[(rank, case)][-1] for rank in (0, 1)]
+        assert results[0] == results[1] and f"iterations={iterations} " in results[0], (case, results)
+        for rank in (0, 1):
+            told = [line for line in stopped[(rank, case)] if line.startswith("tfdp: rank")]
+            # Only the ranks that did not ask are told; where every rank asked, nobody is.
+            assert len(told) == (asked is not None and rank != asked), (case, rank, told)
+            if told:
+                assert f"model.stop_training on rank(s) [{asked}]" in told[0]
 
 
 def test_uneven_inputs_end_every_rank_at_the_same_step(survived):

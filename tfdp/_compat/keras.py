@@ -995,6 +995,26 @@ def checkpoint_callbacks(callbacks):
     return [c for c in callbacks or [] if isinstance(c, (ModelCheckpoint, BackupAndRestore))]
 
 
+#: Callback methods where user code may set `model.stop_training` before Keras checks it after a
+#: batch (keras/src/backend/tensorflow/trainer.py `fit`: ``if self.stop_training: break`` after
+#: `on_train_batch_end`), and the one before it checks after an epoch.
+BATCH_HOOKS = ("on_epoch_begin", "on_train_batch_begin", "on_batch_begin", "on_train_batch_end", "on_batch_end")
+EPOCH_HOOKS = ("on_epoch_end",)
+
+
+def user_code_at(callbacks, hooks):
+    """The `callbacks` whose methods named in `hooks` run code from outside Keras and tfdp (a
+    subclass's override, or a `LambdaCallback`'s function): code that may decide on one rank's
+    own information (a clock, a file) to stop training."""
+
+    def foreign(callback, hook):
+        method = getattr(callback, hook, None)
+        module = getattr(getattr(method, "__func__", method), "__module__", None) or ""
+        return method is not None and not module.split(".")[0] in ("keras", "tfdp")
+
+    return [c for c in callbacks or [] if any(foreign(c, hook) for hook in hooks)]
+
+
 def writes_on_rank_0_only(callbacks):
     """True if one of the user's `callbacks` writes files that tfdp lets rank 0 alone write
     (ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger: see `_patch_callbacks`)."""

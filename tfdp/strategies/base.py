@@ -9,14 +9,14 @@ import tensorflow as tf
 
 from tfdp import _compat
 from tfdp._compat.horovod import cross_size
-from tfdp._compat.keras import gradients_reduced, writes_on_rank_0_only
+from tfdp._compat.keras import BATCH_HOOKS, EPOCH_HOOKS, gradients_reduced, user_code_at, writes_on_rank_0_only
 from tfdp._compat.tensorflow import global_seed, local_variable
 from tfdp.comm import HorovodCommunicator
 from tfdp.strategies import output
 from tfdp.strategies.balance import Balancer, Rebalance, check_balance
 from tfdp.strategies.epoch_logs import GlobalEpochLogs
 from tfdp.strategies.extended import HorovodExtended
-from tfdp.strategies.settle import AgreeOnWeights, FilesWritten, SettleState
+from tfdp.strategies.settle import AgreeOnStopping, AgreeOnWeights, FilesWritten, SettleState
 from tfdp.strategies.watchdog import StepWatchdog, lost_hosts, timeout_from_env
 
 
@@ -133,7 +133,9 @@ class HorovodStrategy(tf.distribute.Strategy):
         if self.extended.balancer is not None and self.extended.balancer.auto:
             extra.append(Rebalance(self.extended.balancer))
         if self.extended.communicator.size > 1:
-            extra.append(StepWatchdog(self.rank, self._step_timeout_seconds, self._hosts))
+            # `closing_callbacks`, called next for the same callback list, watches its collectives with it.
+            self._watchdog = StepWatchdog(self.rank, self._step_timeout_seconds, self._hosts)
+            extra.append(self._watchdog)
         return extra
 
     def closing_callbacks(self, model=None, callbacks=()):
@@ -143,6 +145,9 @@ class HorovodStrategy(tf.distribute.Strategy):
         if communicator.size == 1:
             return []
         closing = [AgreeOnWeights(communicator, self.gradient_reducer)]
+        each_batch, each_epoch = bool(user_code_at(callbacks, BATCH_HOOKS)), bool(user_code_at(callbacks, EPOCH_HOOKS))
+        if each_batch or each_epoch:
+            closing.insert(0, AgreeOnStopping(communicator, each_batch, each_epoch, self._watchdog))
         if writes_on_rank_0_only(callbacks):
             closing.append(FilesWritten(communicator))
         return closing

@@ -1,5 +1,5 @@
 """`SettleState`: tfdp's callback that settles reducer state on every rank when it must
-(`AgreeOnWeights` and `FilesWritten` close `fit`).
+(`AgreeOnStopping`, `AgreeOnWeights` and `FilesWritten` close `fit`).
 
 Added by every tfdp strategy to `fit`, `evaluate` and `predict`, before the user's callbacks.
 It calls `strategy.settle` (finish in-flight exchanges, gather per-rank reducer state) on
@@ -10,6 +10,8 @@ stale gradient left in flight, every rank's error-feedback residuals. An `evalua
 `train_on_batch` steps). Validation inside `fit` evaluates the average of the workers'
 models where they differ, then every worker goes on training from its own.
 """
+
+import sys
 
 import keras
 import tensorflow as tf
@@ -56,6 +58,49 @@ class SettleState(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._training = False
         self.strategy.settle(self.model.optimizer)
+
+
+class AgreeOnStopping(keras.callbacks.Callback):
+    """Stop training on every rank when a callback stopped it on one.
+
+    A callback of the user's may set `model.stop_training` from what only its rank sees (a
+    wall-clock budget, a file, a signal). Keras then ends `fit` on that rank alone, and the
+    others waited in their next step's all-reduce until the step watchdog ended the job
+    (120 s). tfdp adds this callback after the user's when one of them runs code of its own
+    where it could decide: one small all-gather of the flag after each batch (code at batch or
+    epoch begin, or batch end) or after each epoch (code at epoch end); all ranks stop where
+    any asked to, and the ranks that did not ask say so on stderr. Keras's own callbacks decide
+    on the global logs, the same on every rank, and cost nothing.
+    """
+
+    def __init__(self, communicator, each_batch, each_epoch, watchdog):
+        super().__init__()
+        self.communicator = communicator
+        self.each_batch, self.each_epoch = each_batch, each_epoch
+        self.watchdog = watchdog  # a rank stalled in its own callback leaves the others waiting here
+        self._epoch, self._batch = 0, 0
+
+    def _agree(self, where):
+        asked = bool(getattr(self.model, "stop_training", False))
+        with self.watchdog.watching(self._batch):
+            flags = self.communicator.allgather(tf.constant([int(asked)], tf.int32)).numpy().tolist()
+        if any(flags) and not asked:
+            ranks = [r for r, flag in enumerate(flags) if flag]
+            print(f"tfdp: rank {self.communicator.rank} stops training {where}: a callback set "
+                  f"model.stop_training on rank(s) {ranks}, and every rank stops with them.", file=sys.stderr)
+        self.model.stop_training = any(flags)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batch = batch
+        if self.each_batch:
+            self._agree(f"after batch {batch} of epoch {self._epoch}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.each_epoch:
+            self._agree(f"after epoch {epoch}")
 
 
 class AgreeOnWeights(keras.callbacks.Callback):

@@ -14,6 +14,7 @@ Example:
     >>> # TFDP_STEP_TIMEOUT_SECONDS=30 horovodrun -np 2 python train.py
 """
 
+import contextlib
 import os
 import socket
 import sys
@@ -108,6 +109,15 @@ class StepWatchdog(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._started = None
+
+    @contextlib.contextmanager
+    def watching(self, batch):
+        """Watch a collective that tfdp runs after `batch`'s callbacks as part of that batch."""
+        self._batch, self._started = batch, time.monotonic()
+        try:
+            yield
+        finally:
+            self._started = None
 
     def on_train_end(self, logs=None):
         self._stop.set()
