@@ -208,3 +208,31 @@ def test_a_stateful_rnn_keeps_the_state_of_its_workers_rows_only(monkeypatch):
 def test_a_stateful_rnn_under_balance_auto_is_refused_and_named(monkeypatch):
     with pytest.raises(ValueError, match=r'stateful.*balance="auto".*balance=\[\.\.\.\]'):
         build_stateful_lstm_under(monkeypatch, Shares(None))
+
+
+def test_only_callbacks_whose_code_may_stop_training_are_agreed_on(tmp_path):
+    import importlib.util
+
+    from tfdp._compat.keras import BATCH_HOOKS, EPOCH_HOOKS, may_stop_training_at
+
+    def load(name, source):
+        (tmp_path / f"{name}.py").write_text(source)
+        spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    header = "import time\nimport keras\n\nclass C(keras.callbacks.Callback):\n"
+    timer = load("timer_callback", header + "    def on_train_batch_end(self, batch, logs=None):\n"
+                                            "        self.last = time.time()\n").C()
+    budget = load("budget_callback", header + "    def on_epoch_end(self, epoch, logs=None):\n"
+                                              "        if time.time() > 0:\n"
+                                              "            self.model.stop_training = True\n").C()
+    interactive = keras.callbacks.LambdaCallback(on_batch_end=eval("lambda batch, logs: None"))
+    keras_own = [keras.callbacks.EarlyStopping(), keras.callbacks.TerminateOnNaN(), keras.callbacks.History()]
+    everything = [timer, budget, interactive, *keras_own]
+    # A timer and Keras's own callbacks never set the flag; code that names it, or whose source
+    # cannot be read (typed in a session), may.
+    assert may_stop_training_at(everything, BATCH_HOOKS) == [interactive]
+    assert may_stop_training_at(everything, EPOCH_HOOKS) == [budget]
+    assert may_stop_training_at([timer, *keras_own], BATCH_HOOKS + EPOCH_HOOKS) == []

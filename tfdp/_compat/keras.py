@@ -1002,17 +1002,35 @@ BATCH_HOOKS = ("on_epoch_begin", "on_train_batch_begin", "on_batch_begin", "on_t
 EPOCH_HOOKS = ("on_epoch_end",)
 
 
-def user_code_at(callbacks, hooks):
+def may_stop_training_at(callbacks, hooks):
     """The `callbacks` whose methods named in `hooks` run code from outside Keras and tfdp (a
-    subclass's override, or a `LambdaCallback`'s function): code that may decide on one rank's
-    own information (a clock, a file) to stop training."""
+    subclass's override, or a `LambdaCallback`'s function) that may set `model.stop_training`:
+    code that could decide on its rank's own information (a clock, a file) to stop.
 
-    def foreign(callback, hook):
+    Code may set it where its source file mentions ``stop_training`` (or where the source
+    cannot be read). A file that never names it cannot set it, and its callbacks (progress
+    bars, timers, loggers) cost no agreement.
+    """
+
+    def may_stop(callback, hook):
         method = getattr(callback, hook, None)
-        module = getattr(getattr(method, "__func__", method), "__module__", None) or ""
-        return method is not None and not module.split(".")[0] in ("keras", "tfdp")
+        function = getattr(method, "__func__", method)
+        module = getattr(function, "__module__", None) or ""
+        if method is None or module.split(".")[0] in ("keras", "tfdp"):
+            return False
+        code = getattr(function, "__code__", None)
+        return _mentions_stop_training(code.co_filename if code is not None else None)
 
-    return [c for c in callbacks or [] if any(foreign(c, hook) for hook in hooks)]
+    return [c for c in callbacks or [] if any(may_stop(c, hook) for hook in hooks)]
+
+
+@functools.lru_cache(maxsize=None)
+def _mentions_stop_training(filename):
+    try:
+        with open(filename, encoding="utf-8", errors="replace") as source:
+            return "stop_training" in source.read()
+    except (OSError, TypeError):  # no file (an interactive session, a callable object): assume it may
+        return True
 
 
 def writes_on_rank_0_only(callbacks):

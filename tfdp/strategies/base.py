@@ -9,7 +9,8 @@ import tensorflow as tf
 
 from tfdp import _compat
 from tfdp._compat.horovod import cross_size
-from tfdp._compat.keras import BATCH_HOOKS, EPOCH_HOOKS, gradients_reduced, user_code_at, writes_on_rank_0_only
+from tfdp._compat.keras import (BATCH_HOOKS, EPOCH_HOOKS, gradients_reduced, may_stop_training_at,
+                                writes_on_rank_0_only)
 from tfdp._compat.tensorflow import global_seed, local_variable
 from tfdp.comm import HorovodCommunicator
 from tfdp.strategies import output
@@ -145,7 +146,8 @@ class HorovodStrategy(tf.distribute.Strategy):
         if communicator.size == 1:
             return []
         closing = [AgreeOnWeights(communicator, self.gradient_reducer)]
-        each_batch, each_epoch = bool(user_code_at(callbacks, BATCH_HOOKS)), bool(user_code_at(callbacks, EPOCH_HOOKS))
+        each_batch = bool(may_stop_training_at(callbacks, BATCH_HOOKS))
+        each_epoch = bool(may_stop_training_at(callbacks, EPOCH_HOOKS))
         if each_batch or each_epoch:
             closing.insert(0, AgreeOnStopping(communicator, each_batch, each_epoch, self._watchdog))
         if writes_on_rank_0_only(callbacks):

@@ -67,10 +67,11 @@ class AgreeOnStopping(keras.callbacks.Callback):
     wall-clock budget, a file, a signal). Keras then ends `fit` on that rank alone, and the
     others waited in their next step's all-reduce until the step watchdog ended the job
     (120 s). tfdp adds this callback after the user's when one of them runs code of its own
-    where it could decide: one small all-gather of the flag after each batch (code at batch or
-    epoch begin, or batch end) or after each epoch (code at epoch end); all ranks stop where
-    any asked to, and the ranks that did not ask say so on stderr. Keras's own callbacks decide
-    on the global logs, the same on every rank, and cost nothing.
+    that may set the flag (`may_stop_training_at`): one small all-gather of the flag after each
+    batch (code at batch or epoch begin, or batch end) or after each epoch (code at epoch end);
+    all ranks stop where any asked to, and the ranks that did not ask say so on stderr. Keras's
+    own callbacks decide on the global logs, the same on every rank, and cost nothing; so do
+    callbacks whose source never names ``stop_training`` (progress bars, timers).
     """
 
     def __init__(self, communicator, each_batch, each_epoch, watchdog):
