@@ -18,6 +18,7 @@ BOUND_SECONDS = 90
 BAD_INPUT = {
     "different-model": "the model differs across workers",
     "extra-layer": "the model differs across workers",
+    "built-outside": "was built outside the scope of its tfdp strategy, so its weights differ between the workers",
     "jit": "Pass jit_compile=False",
     "optimizer-outside": "the optimizer SGD was created outside the scope of the model's MirroredStrategy",
     "tiny-batch": "The global batch size 1 is smaller than the number of workers (2)",
@@ -30,14 +31,15 @@ BAD_INPUT = {
 def survived(tmp_path_factory):
     """The faults a job survives, one script after another in one 2-worker job (one TensorFlow
     start for all): bad input, uneven inputs, non-finite gradients, data already split per rank,
-    datasets shuffled differently on each rank, callbacks that stop training on one rank."""
+    datasets shuffled differently on each rank, callbacks that stop training on one rank, a model
+    trained outside the scope."""
     out = tmp_path_factory.mktemp("survived")
     for folder in ("uneven", "nonfinite"):
         (out / folder).mkdir()
     run = run_workers("in_sequence.py", 2, ["faults.py", "--cases", *BAD_INPUT, "--", "uneven.py", "--out",
                                             out / "uneven", "--", "nonfinite.py", "--out", out / "nonfinite",
                                             "--", "split_inputs.py", "--", "shuffled_datasets.py", "--",
-                                            "rank_local_stop.py"],
+                                            "rank_local_stop.py", "--", "outside_scope.py"],
                       timeout=2 * BOUND_SECONDS)
     assert run.returncode == 0, run.output[-4000:]
     return run, out
@@ -185,6 +187,17 @@ def test_a_callback_that_stops_one_rank_stops_every_rank_there(survived):
             assert len(told) == (asked is not None and rank != asked), (case, rank, told)
             if told:
                 assert f"model.stop_training on rank(s) [{asked}]" in told[0]
+
+
+def test_a_model_trained_outside_the_scope_is_warned_about_once_on_every_rank(survived):
+    run, _ = survived
+    for rank in (0, 1):
+        lines = section(run.output, "outside_scope.py", rank)
+        cases = {line[len("case: "):]: i for i, line in enumerate(lines) if line.startswith("case: ")}
+        warned = [i for i, line in enumerate(lines) if "trains it on each of the 2 workers alone" in line]
+        # Negative controls: the model of the scope, a second fit of the same model, and a model with
+        # its own train_step say nothing.
+        assert len(warned) == 1 and cases["alone"] < warned[0] < cases["alone again"], lines
 
 
 def test_uneven_inputs_end_every_rank_at_the_same_step(survived):

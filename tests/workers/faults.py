@@ -9,6 +9,7 @@
     --case jit               a custom step's tf.function(jit_compile=True) calls strategy.run
     --case optimizer-outside the optimizer object is made and built before the strategy's scope
     --case extra-layer       rank 1 builds one more layer
+    --case built-outside     the model is built before the strategy's scope and compiled in it
     --case die               rank 1 SIGKILLs itself during fit
     --case stall             rank 1 stops (sleeps) during fit without exiting
     --case tiny-batch        a global batch of 1 for 2 workers
@@ -50,11 +51,12 @@ def run_case(case):
         optimizer.build([keras.Variable(np.zeros((4, 12), "float32"))])
     strategy = tfdp.MirroredStrategy()
     width = 13 if (case == "different-model" and rank() == 1) else 12
+    outside = keras.Sequential([keras.Input((4,)), keras.layers.Dense(12)]) if case == "built-outside" else None
     with strategy.scope():
         layers = [keras.Input((4,)), keras.layers.Dense(width), keras.layers.Dense(1)]
         if case == "extra-layer" and rank() == 1:
             layers.append(keras.layers.Dense(1))
-        model = keras.Sequential(layers)
+        model = outside or keras.Sequential(layers)
         model.compile(optimizer=optimizer, loss="mse")
     if case == "jit":  # compile(jit_compile=True) falls back to False; a custom XLA step cannot
         xla_step = tf.function(lambda features: strategy.run(model, args=(features,)), jit_compile=True)

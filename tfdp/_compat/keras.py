@@ -24,6 +24,7 @@ _installed = False
 _state = threading.local()
 _bound_reducers = weakref.WeakKeyDictionary()  # optimizer -> reducer, for DistributedOptimizer
 _sharded_optimizers = weakref.WeakSet()  # optimizers whose build/apply/save a sharding reducer runs
+_multi_worker_strategies = weakref.WeakSet()  # tfdp strategies of 2+ workers made in this process
 REDUCER_STATE_ATTRIBUTE = "_tfdp_reducer_state"
 
 
@@ -155,6 +156,45 @@ def one_replica_step():
 def _strategy_hooks(strategy):
     extended = getattr(strategy, "extended", None)
     return extended if isinstance(extended, StrategyHooks) else None
+
+
+def note_multi_worker_strategy(strategy):
+    """Remember that `strategy`, a tfdp strategy of 2+ workers, exists (see `_warn_if_trained_alone`)."""
+    _multi_worker_strategies.add(strategy)
+
+
+def _refuse_model_built_outside(model, strategy):
+    """Refuse to compile, in `strategy`'s scope, a model whose layers were built outside it.
+
+    Its weights were created before any tfdp strategy could make them rank 0's on every rank:
+    on 2 workers such a model trained with averaged gradients from each rank's own random
+    initial weights, and the ranks' models stayed apart, silently.
+    """
+    if strategy.num_replicas_in_sync < 2 or not model.weights:
+        return
+    raise ValueError(
+        f"The model {model.name!r} was built outside the scope of its tfdp strategy, so its weights differ "
+        "between the workers (each drew its own initial values). Create the model inside "
+        "`with strategy.scope():` and compile it there, as under tf.distribute.")
+
+
+def _warn_if_trained_alone(model):
+    """Once per model: a model that `fit` trains outside every tfdp strategy (built outside the
+    scope, no `DistributedOptimizer`, Keras's own `train_step`) while a strategy of 2+ workers
+    exists trains alone on each worker; say so, in case the scope was forgotten."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    strategies = list(_multi_worker_strategies)
+    if (not strategies or getattr(model, "_tfdp_warned_alone", False) or _strategy_hooks(model.distribute_strategy)
+            or bound_reducer(getattr(model, "optimizer", None)) is not None
+            or type(model).train_step is not tf_trainer.TensorFlowTrainer.train_step):
+        return
+    model._tfdp_warned_alone = True
+    workers = strategies[0].num_replicas_in_sync
+    warnings.warn(f"tfdp: the model {model.name!r} was built outside every tfdp strategy's scope, so `fit` trains it "
+                  f"on each of the {workers} workers alone (no gradient is exchanged, and the workers' weights "
+                  "differ). If it should train across the workers, create and compile it inside "
+                  "`with strategy.scope():`.", stacklevel=3)
 
 
 def bind_reducer(optimizer, reducer):
@@ -702,6 +742,9 @@ def _patch_compile():
 
         strategy = getattr(self, "_distribute_strategy", None)
         if _strategy_hooks(strategy) is None:
+            current = tf.distribute.get_strategy()
+            if strategy is None and _strategy_hooks(current) is not None:
+                _refuse_model_built_outside(self, current)
             return original(self, optimizer, *args, **kwargs)
         _adopt_optimizer_made_outside_any_scope(optimizer, strategy)
         _refuse_optimizer_of_another_strategy(optimizer, strategy)
@@ -1077,6 +1120,7 @@ def _patch_step_function(kind):
             reducer = bound_reducer(getattr(self, "optimizer", None))  # DistributedOptimizer, no strategy
             if reducer is not None:
                 _without_xla(self, reducer.communicator.size, reducer.communicator.rank == 0)
+            _warn_if_trained_alone(self)
         if hooks is None or (getattr(self, attribute) is not None and not force):
             return original(self, force)
         _without_xla(self, self._distribute_strategy.num_replicas_in_sync, hooks.is_chief)

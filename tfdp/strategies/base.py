@@ -10,7 +10,7 @@ import tensorflow as tf
 from tfdp import _compat
 from tfdp._compat.horovod import cross_size
 from tfdp._compat.keras import (BATCH_HOOKS, EPOCH_HOOKS, gradients_reduced, may_stop_training_at,
-                                writes_on_rank_0_only)
+                                note_multi_worker_strategy, writes_on_rank_0_only)
 from tfdp._compat.tensorflow import global_seed, local_variable
 from tfdp.comm import HorovodCommunicator
 from tfdp.strategies import output
@@ -40,6 +40,7 @@ class HorovodStrategy(tf.distribute.Strategy):
             self.extended.skipped_steps = local_variable(lambda: tf.constant(0, tf.int64), "tfdp_skipped_steps")
         if communicator.size > 1:
             self._share_random_seed(communicator)
+            note_multi_worker_strategy(self)
         self._hosts = self._gather_hosts() if cross_size() > 1 else None
         output.follow_rank(communicator.rank, communicator.size)
 
