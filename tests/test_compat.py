@@ -72,6 +72,7 @@ def ordinary_program(tmp_path):
     model.train_on_batch(x[:16], y[:16])
     model.test_on_batch(x[:16], y[:16])
     model.predict_on_batch(x[:16])
+    model.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).cache().batch(16), verbose=0)
     model.save(tmp_path / "m.keras")
     model.save_weights(tmp_path / "m.weights.h5")
     model.export(tmp_path / "exported", verbose=False)

@@ -34,11 +34,12 @@ def survived(tmp_path_factory):
     datasets shuffled differently on each rank, callbacks that stop training on one rank, a model
     trained outside the scope."""
     out = tmp_path_factory.mktemp("survived")
-    for folder in ("uneven", "nonfinite"):
+    for folder in ("uneven", "nonfinite", "cache"):
         (out / folder).mkdir()
     run = run_workers("in_sequence.py", 2, ["faults.py", "--cases", *BAD_INPUT, "--", "uneven.py", "--out",
                                             out / "uneven", "--", "nonfinite.py", "--out", out / "nonfinite",
-                                            "--", "split_inputs.py", "--", "shuffled_datasets.py", "--",
+                                            "--", "split_inputs.py", "--", "shuffled_datasets.py", "--folder",
+                                            out / "cache", "--",
                                             "rank_local_stop.py", "--", "outside_scope.py"],
                       timeout=2 * BOUND_SECONDS)
     assert run.returncode == 0, run.output[-4000:]
@@ -158,10 +159,25 @@ def test_datasets_shuffled_differently_on_each_rank_are_warned_on_every_rank(sur
         # Seeds that differ between ranks and a shuffle without any seed are warned about once each.
         assert len(warnings) == 2, lines
         assert cases["seeds differ"] < warnings[0] < cases["seeds differ again"], lines
-        assert cases["unseeded"] < warnings[1] < cases["done"], lines
+        assert cases["unseeded"] < warnings[1] < cases["cached, built after the strategy"], lines
         assert "ranks [1] shuffles with other seeds than rank 0's" in lines[warnings[0]]
         assert "ranks [0, 1] shuffles without a seed" in lines[warnings[1]]
         assert f"this is rank {rank}" in lines[warnings[1]] and "seed=" in lines[warnings[1]]
+
+
+def test_datasets_cached_to_a_file_get_a_file_per_rank_or_are_refused(survived):
+    run, out = survived
+    # Built after the strategy: rank 0 writes the file asked for, rank 1 its own; both complete.
+    assert sorted((out / "cache").iterdir()) == sorted(out / "cache" / f"after{suffix}.{part}"
+                                                       for suffix in ("", ".rank1")
+                                                       for part in ("index", "data-00000-of-00001"))
+    for rank in (0, 1):
+        lines = section(run.output, "shuffled_datasets.py", rank)
+        start = lines.index("case: cached, built before the strategy")
+        # Built before it: one file for both ranks, refused before anything is written.
+        refused = [line for line in lines[start:] if line.startswith("refused: ")]
+        assert len(refused) == 1 and "The tf.data pipelines of ranks [0, 1] cache to one file" in refused[0], lines
+        assert "before'" in refused[0] and f"this is rank {rank}" in refused[0]
 
 
 def test_a_callback_that_stops_one_rank_stops_every_rank_there(survived):

@@ -30,6 +30,12 @@ def cross_size(env=None):
     return int(env.get("HOROVOD_CROSS_SIZE", "1") or 1)
 
 
+def cross_rank(env=None):
+    """This host's index among the job's hosts, as horovodrun tells its workers (0 outside horovodrun)."""
+    env = os.environ if env is None else env
+    return int(env.get("HOROVOD_CROSS_RANK", "0") or 0)
+
+
 def loopback_host_problem(env=None, resolve=None, hostname=None):
     """What is wrong when a job spanning hosts runs here under a name that resolves to loopback, or None.
 

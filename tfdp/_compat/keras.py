@@ -51,12 +51,13 @@ class StrategyHooks(abc.ABC):
         """Raise when a global batch cannot give every worker a row."""
 
     @abc.abstractmethod
-    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0, order=0):
+    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0, order=0, cache_files=()):
         """Agree across ranks on how to iterate an epoch; return ``(mode, batches)``.
 
         `count` is this rank's batches per epoch: an int, ``INFINITE`` or ``UNKNOWN``;
         `content` a fingerprint of in-memory inputs (0: not known); `order` how a tf.data
-        pipeline orders its elements (`tfdp._compat.tensorflow.dataset_order`).
+        pipeline orders its elements (`tfdp._compat.tensorflow.dataset_order`); `cache_files` the
+        files its ``cache`` stages will write (`tfdp._compat.tensorflow.dataset_cache_files`).
         Modes: ``"as_is"`` (every rank iterates the same way), ``"fewest"`` (stop after
         `batches`) or ``"each_step"`` (agree before every step whether all ranks have data).
         """
@@ -1369,7 +1370,7 @@ def _patch_epoch_iterator():
     # up to the fewest batches, or (inputs of unknown length) step by step.
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    from tfdp._compat.tensorflow import dataset_order
+    from tfdp._compat.tensorflow import dataset_cache_files, dataset_order
 
     original_init = tf_trainer.TFEpochIterator.__init__
     original_next = tf_trainer.TFEpochIterator.__next__
@@ -1387,7 +1388,8 @@ def _patch_epoch_iterator():
         hooks.check_batch_size(getattr(self.data_adapter, "batch_size", None))
         mode, fewest = hooks.agree_on_inputs(_input_count(self), self._distributed_dataset.element_spec,
                                              bool(self.steps_per_epoch), content=_content_fingerprint(self),
-                                             order=dataset_order(self._distributed_dataset))
+                                             order=dataset_order(self._distributed_dataset),
+                                             cache_files=dataset_cache_files(self._distributed_dataset))
         if mode == "fewest":
             self._distributed_dataset = self._distributed_dataset.take(fewest)
             self.data_adapter = _FewerBatches(self.data_adapter, fewest)
@@ -1618,6 +1620,32 @@ def _patch_saving():
                 setattr(public, name, wrapped)
 
 
+def _patch_dataset_cache():
+    # tensorflow/python/data/ops/dataset_ops.py: `DatasetV2.cache(filename="", name=None)`. Every
+    # rank reads the whole data, so every rank builds the same pipeline: with a file, the ranks
+    # of one host wrote one cache at once, and TF failed ("There appears to be a concurrent
+    # caching iterator running"). Built while a tfdp strategy of 2+ workers exists, rank r > 0
+    # caches to "<filename>.rank<r>"; rank 0 keeps the name asked for. (A pipeline built before
+    # the strategy is checked when `fit` starts: `HorovodExtended._refuse_shared_cache_files`.)
+    import os
+
+    import tensorflow as tf
+
+    original = tf.data.Dataset.cache
+
+    @functools.wraps(original)
+    def cache(self, filename="", name=None):
+        strategies = list(_multi_worker_strategies)
+        if strategies and isinstance(filename, (str, os.PathLike)) and os.fspath(filename):
+            rank = strategies[0].rank
+            if rank:
+                filename = f"{os.fspath(filename)}.rank{rank}"
+        return original(self, filename, name=name)
+
+    cache._tfdp_original = original
+    tf.data.Dataset.cache = cache
+
+
 def install():
     """Install all hooks once per process."""
     global _installed
@@ -1637,6 +1665,7 @@ def install():
     _patch_metric_variables()
     _patch_compile()
     _patch_saving()
+    _patch_dataset_cache()
     _patch_batch_norm_moments()
     _patch_summed_increments()
     _patch_stateful_rnn_batch()
@@ -1659,6 +1688,7 @@ def hooked_functions():
     from keras.src.saving import saving_api
     from keras.src.trainers import trainer
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+    import tensorflow as tf
     from tensorflow.python.saved_model import save as saved_model_save
 
     return [
@@ -1689,6 +1719,7 @@ def hooked_functions():
         (saving_api, "save_weights"),
         (model_module.Model, "export"),
         (saved_model_save, "save_and_return_nodes"),
+        (tf.data.Dataset, "cache"),
         (batch_normalization.BatchNormalization, "_moments"),
         (core.Variable, "assign_add"),
         (core.Variable, "assign_sub"),

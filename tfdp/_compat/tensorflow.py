@@ -97,6 +97,23 @@ def global_seed():
 ORDER_DRAWN_PER_PROCESS = -1
 
 
+def _stages(dataset):
+    """Every stage of a tf.data pipeline, `dataset` first: the Python dataset objects reached
+    through `_inputs()` (tensorflow/python/data/ops/dataset_ops.py). A stage that does not list
+    its inputs ends the walk there."""
+    seen, pending = set(), [dataset]
+    while pending:
+        stage = pending.pop()
+        if id(stage) in seen:
+            continue
+        seen.add(id(stage))
+        yield stage
+        try:
+            pending.extend(stage._inputs())
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def dataset_order(dataset):
     """How `dataset` orders its elements, comparable across processes.
 
@@ -106,8 +123,7 @@ def dataset_order(dataset):
     ``map``/``batch`` with ``deterministic=False``); otherwise a CRC-32 of the stages' seeds, equal
     on two processes exactly when they shuffle alike.
 
-    Walks the Python dataset objects (`_inputs()`, tensorflow/python/data/ops/dataset_ops.py),
-    reading the shuffle and random stages' ``_seed``/``_seed2`` (shuffle_op.py, random_op.py) and
+    Reads the shuffle and random stages' ``_seed``/``_seed2`` (shuffle_op.py, random_op.py) and
     the parallel stages' ``_deterministic`` (map_op.py, batch_op.py). A stage it cannot read
     counts as drawing no order.
 
@@ -122,12 +138,8 @@ def dataset_order(dataset):
         deterministic_by_default = dataset.options().deterministic is not False
     except Exception:  # noqa: BLE001 - not a tf.data dataset: nothing to read
         return 0
-    seeds, seen, pending = [], set(), [dataset]
-    while pending:
-        stage = pending.pop()
-        if id(stage) in seen:
-            continue
-        seen.add(id(stage))
+    seeds = []
+    for stage in _stages(dataset):
         if hasattr(stage, "_seed") and hasattr(stage, "_seed2"):
             pair = [int(tf.get_static_value(s) or 0) for s in (stage._seed, stage._seed2)]
             if pair == [0, 0]:  # the kernel draws a random seed of its own
@@ -136,11 +148,30 @@ def dataset_order(dataset):
         flag = getattr(stage, "_deterministic", "true")
         if flag == "false" or (flag == "default" and not deterministic_by_default):
             return ORDER_DRAWN_PER_PROCESS
-        try:
-            pending.extend(stage._inputs())
-        except Exception:  # noqa: BLE001 - a stage that does not list its inputs ends the walk here
-            pass
     return zlib.crc32(repr(seeds).encode()) or 1 if seeds else 0
+
+
+def dataset_cache_files(dataset):
+    """The files `dataset`'s ``cache(filename)`` stages will write: those whose cache is not
+    complete yet (a complete one has its ``<filename>.index``; iterating then only reads it).
+    Reads cache_op.py's ``_filename``; in-memory caches (``cache()``) write nothing.
+
+    Example:
+        >>> dataset_cache_files(tf.data.Dataset.range(4).cache("/tmp/never-written").batch(2))
+        ['/tmp/never-written']
+    """
+    import os
+
+    if not isinstance(dataset, tf.data.Dataset):
+        return []
+    files = set()
+    for stage in _stages(dataset):
+        name = getattr(stage, "_filename", None)
+        name = tf.get_static_value(name) if name is not None else None
+        name = name.decode() if isinstance(name, bytes) else name
+        if name and not os.path.exists(f"{name}.index"):
+            files.add(name)
+    return sorted(files)
 
 
 XLA_ERROR = ("tfdp runs Horovod collectives, which cannot be compiled by XLA. Received a step compiled with "

@@ -18,6 +18,7 @@ from tfdp._compat.keras import (UNKNOWN, StrategyHooks, distributing_for_keras, 
                                 step_takes_whole_batch)
 from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVariable, creating_local_variables,
                                      ORDER_DRAWN_PER_PROCESS, XLA_ERROR, in_xla_context, local_variable)
+from tfdp._compat.horovod import cross_rank
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, share_of_rank, take_rows
@@ -365,12 +366,14 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
                 f"({self._size}): every worker needs at least one row per batch. The batch_size "
                 f"passed to fit/evaluate/predict is the global batch; use batch_size >= {self._size}.")
 
-    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0, order=0):
+    def agree_on_inputs(self, count, element_spec, has_steps_per_epoch, content=0, order=0, cache_files=()):
         """Check the ranks' inputs match; choose how every rank iterates the epoch.
 
         Inputs of different shapes or dtypes are an error on every rank; in-memory inputs
         whose rows differ (`content`, a fingerprint) a warning, once; so are tf.data pipelines
-        that order their elements differently (`order`, `tfdp._compat.tensorflow.dataset_order`). Equal, known
+        that order their elements differently (`order`, `tfdp._compat.tensorflow.dataset_order`).
+        Ranks on one host whose pipelines would write the same cache files (`cache_files`) are an
+        error on every rank. Equal, known
         lengths (or endless inputs) need nothing. Known lengths that differ: every rank
         stops after the fewest batches, every epoch, and the ranks with more say so on
         stderr (no rows are padded). Otherwise (a length is unknown: generators, or
@@ -381,14 +384,17 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
             return "as_is", None
         spec = _describe_spec(element_spec)
         gathered = self.communicator.allgather(
-            tf.constant([[int(count), zlib.crc32(spec.encode()), int(content), int(order)]], tf.int64)).numpy().tolist()
-        counts, fingerprints, contents, orders = ([row[i] for row in gathered] for i in range(4))
+            tf.constant([[int(count), zlib.crc32(spec.encode()), int(content), int(order),
+                          zlib.crc32(repr(sorted(cache_files)).encode()) if cache_files else 0, cross_rank()]],
+                        tf.int64)).numpy().tolist()
+        counts, fingerprints, contents, orders, caches, hosts = ([row[i] for row in gathered] for i in range(6))
         differ = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
         if differ:
             raise ValueError(
                 f"The workers' inputs differ in shape or dtype: ranks {differ} do not match rank 0 "
                 f"(this is rank {self._rank}, whose inputs are {spec}). Pass inputs of the same "
                 f"shapes and dtypes on every rank.")
+        self._refuse_shared_cache_files(caches, hosts, cache_files)
         self._warn_if_inputs_differ(contents)
         self._warn_if_order_differs(orders)
         if len(set(counts)) == 1 and counts[0] != UNKNOWN:
@@ -414,6 +420,22 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
               f"batch, and each rank trains on its rows of it. Data already split per rank (x[rank::size], "
               f"Horovod style) is split again, and each rank trains on 1/{self._size} of its share. Pass "
               "the whole data on every rank.", file=sys.stderr)
+
+    def _refuse_shared_cache_files(self, caches, hosts, cache_files):
+        """Ranks of one host whose pipelines write the same `Dataset.cache` files would collide
+        (TF: "There appears to be a concurrent caching iterator running"), and the cache left behind
+        would be half written: refuse before the first step, on every rank."""
+        shared = sorted({r for r, (c, h) in enumerate(zip(caches, hosts))
+                         if c and sum(1 for c2, h2 in zip(caches, hosts) if (c2, h2) == (c, h)) > 1})
+        if not shared:
+            return
+        files = ", ".join(repr(f) for f in cache_files) or "the same files"
+        raise ValueError(
+            f"The tf.data pipelines of ranks {shared} cache to one file on the same host ({files}; this is rank "
+            f"{self._rank}): they would write it at the same time, and TF fails with 'concurrent caching "
+            "iterator'. Build the dataset after creating the strategy (tfdp then gives each rank its own cache "
+            "file), or pass a file per rank, `.cache(f\"{path}.rank{tfdp.rank()}\")`, or cache in memory "
+            "(`.cache()`).")
 
     def _warn_if_order_differs(self, orders):
         """Once per strategy and kind: a tf.data pipeline whose order a rank draws for itself (a
