@@ -165,3 +165,17 @@ def test_dataset_order_tells_a_seeded_shuffle_from_one_each_process_draws():
         assert dataset_order([1, 2]) == 0  # not a dataset
     finally:
         tf.random.set_seed(previous)
+
+
+def test_shards_and_cache_files_are_read_from_the_pipeline(tmp_path):
+    from tfdp._compat.tensorflow import dataset_cache_files, dataset_shards
+
+    rows = tf.data.Dataset.range(16)
+    assert dataset_shards(rows.batch(4)) == [] and dataset_shards(rows.shard(1, 0)) == []
+    assert dataset_shards(rows.shard(2, 1).map(lambda x: x).batch(4)) == [(2, 1)]
+    # A file cache is one this pipeline writes until it is complete; an in-memory one writes nothing.
+    cached = rows.cache(str(tmp_path / "train")).batch(4)
+    assert dataset_cache_files(cached) == [str(tmp_path / "train")]
+    assert dataset_cache_files(rows.cache().batch(4)) == []
+    list(cached)
+    assert dataset_cache_files(rows.cache(str(tmp_path / "train")).batch(4)) == []

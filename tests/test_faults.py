@@ -142,10 +142,12 @@ def test_data_already_split_per_rank_is_warned_on_every_rank(survived):
     run, _ = survived
     for rank in (0, 1):
         lines = section(run.output, "split_inputs.py", rank)
-        split_at = lines.index("case: split per rank")
+        cases = {line[len("case: "):]: i for i, line in enumerate(lines) if line.startswith("case: ")}
         warnings = [i for i, line in enumerate(lines) if "hold other rows than rank 0's" in line]
-        # Negative control: whole data on every rank (fit and evaluate) says nothing.
-        assert len(warnings) == 1 and warnings[0] > split_at, lines
+        # Negative controls: whole data on every rank (arrays: fit and evaluate; tf.data) says nothing.
+        assert len(warnings) == 2, lines
+        assert cases["split per rank"] < warnings[0] < cases["whole tf.data"], lines
+        assert cases["tf.data sharded per rank"] < warnings[1] < cases["done"], lines
         assert "x[rank::size]" in lines[warnings[0]] and f"this is rank {rank}" in lines[warnings[0]]
 
 

@@ -151,6 +151,26 @@ def dataset_order(dataset):
     return zlib.crc32(repr(seeds).encode()) or 1 if seeds else 0
 
 
+def dataset_shards(dataset):
+    """The ``(num_shards, index)`` of `dataset`'s ``shard`` stages that split it (num_shards > 1),
+    from shard_op.py's ``_num_shards`` and ``_index``: how a Horovod script splits its data per rank.
+
+    Example:
+        >>> dataset_shards(tf.data.Dataset.range(8).shard(2, 1).batch(2))
+        [(2, 1)]
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        return []
+    shards = []
+    for stage in _stages(dataset):
+        if hasattr(stage, "_num_shards") and hasattr(stage, "_index"):
+            pair = tuple(int(tf.get_static_value(t) if tf.get_static_value(t) is not None else -1)
+                         for t in (stage._num_shards, stage._index))
+            if pair[0] != 1:
+                shards.append(pair)
+    return sorted(shards)
+
+
 def dataset_cache_files(dataset):
     """The files `dataset`'s ``cache(filename)`` stages will write: those whose cache is not
     complete yet (a complete one has its ``<filename>.index``; iterating then only reads it).

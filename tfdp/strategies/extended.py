@@ -409,17 +409,18 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         return "each_step", None
 
     def _warn_if_inputs_differ(self, contents):
-        """Once per strategy: NumPy inputs whose rows differ between ranks are almost always data
-        already split per rank (Horovod's habit), which tfdp splits again."""
+        """Once per strategy: NumPy inputs whose rows differ between ranks, or tf.data pipelines that
+        take other shards, are almost always data already split per rank (Horovod's habit), which
+        tfdp splits again."""
         if 0 in contents or len(set(contents)) == 1 or getattr(self, "_warned_inputs_differ", False):
             return
         self._warned_inputs_differ = True
         differ = [r for r, c in enumerate(contents) if c != contents[0]]
         print(f"tfdp: warning: the inputs of ranks {differ} hold other rows than rank 0's (this is rank "
               f"{self._rank}). tfdp expects the same, whole data on every rank: batch_size is the global "
-              f"batch, and each rank trains on its rows of it. Data already split per rank (x[rank::size], "
-              f"Horovod style) is split again, and each rank trains on 1/{self._size} of its share. Pass "
-              "the whole data on every rank.", file=sys.stderr)
+              f"batch, and each rank trains on its rows of it. Data already split per rank (x[rank::size] or "
+              f"Dataset.shard(size, rank), Horovod style) is split again, and each rank trains on "
+              f"1/{self._size} of its share. Pass the whole data on every rank.", file=sys.stderr)
 
     def _refuse_shared_cache_files(self, caches, hosts, cache_files):
         """Ranks of one host whose pipelines write the same `Dataset.cache` files would collide
