@@ -159,9 +159,11 @@ def test_datasets_shuffled_differently_on_each_rank_are_warned_on_every_rank(sur
         warnings = [i for i, line in enumerate(lines) if line.startswith("tfdp: warning: the tf.data pipeline")]
         # Negative controls: a seeded shuffle, and an unseeded one built after the strategy, say nothing.
         # Seeds that differ between ranks and a shuffle without any seed are warned about once each.
-        assert len(warnings) == 2, lines
+        assert len(warnings) == 3, lines
         assert cases["seeds differ"] < warnings[0] < cases["seeds differ again"], lines
-        assert cases["unseeded"] < warnings[1] < cases["cached, built after the strategy"], lines
+        assert cases["unseeded"] < warnings[1] < cases["custom loop, unseeded"], lines
+        # A custom loop's `experimental_distribute_dataset` is checked too.
+        assert cases["custom loop, unseeded"] < warnings[2] < cases["cached, built after the strategy"], lines
         assert "ranks [1] shuffles with other seeds than rank 0's" in lines[warnings[0]]
         assert "ranks [0, 1] shuffles without a seed" in lines[warnings[1]]
         assert f"this is rank {rank}" in lines[warnings[1]] and "seed=" in lines[warnings[1]]

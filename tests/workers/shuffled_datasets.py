@@ -36,6 +36,10 @@ def main():
                        ("seeds differ again", windows), ("unseeded", unseeded)):
         print(f"case: {case}", file=sys.stderr, flush=True)
         model.fit(data.map(lambda features, target: (tf.reshape(features, [-1, 4]), target)), epochs=1, verbose=0)
+    strategy = tfdp.MirroredStrategy()  # warnings are once per strategy
+    print("case: custom loop, unseeded", file=sys.stderr, flush=True)
+    for _ in strategy.experimental_distribute_dataset(unseeded):
+        break
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--folder", required=True)

@@ -1352,17 +1352,6 @@ def _content_fingerprint(iterator):
     return crc or 1
 
 
-def _shards_fingerprint(dataset):
-    """A CRC-32 of a tf.data pipeline's ``shard`` stages (0 without any): ranks whose pipelines
-    take other shards (``shard(size, rank)``, Horovod's way) hold other rows."""
-    import zlib
-
-    from tfdp._compat.tensorflow import dataset_shards
-
-    shards = dataset_shards(dataset)
-    return (zlib.crc32(repr(shards).encode()) or 1) if shards else 0
-
-
 def _input_count(iterator):
     """This rank's batches per epoch: an int, INFINITE or UNKNOWN."""
     known = iterator.data_adapter.num_batches
@@ -1381,7 +1370,7 @@ def _patch_epoch_iterator():
     # up to the fewest batches, or (inputs of unknown length) step by step.
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    from tfdp._compat.tensorflow import dataset_cache_files, dataset_order
+    from tfdp._compat.tensorflow import dataset_cache_files, dataset_order, dataset_shards_fingerprint
 
     original_init = tf_trainer.TFEpochIterator.__init__
     original_next = tf_trainer.TFEpochIterator.__next__
@@ -1399,7 +1388,7 @@ def _patch_epoch_iterator():
         hooks.check_batch_size(getattr(self.data_adapter, "batch_size", None))
         mode, fewest = hooks.agree_on_inputs(_input_count(self), self._distributed_dataset.element_spec,
                                              bool(self.steps_per_epoch), content=_content_fingerprint(self)
-                                             or _shards_fingerprint(self._distributed_dataset),
+                                             or dataset_shards_fingerprint(self._distributed_dataset),
                                              order=dataset_order(self._distributed_dataset),
                                              cache_files=dataset_cache_files(self._distributed_dataset))
         if mode == "fewest":

@@ -171,6 +171,15 @@ def dataset_shards(dataset):
     return sorted(shards)
 
 
+def dataset_shards_fingerprint(dataset):
+    """A CRC-32 of `dataset_shards` (0 without any shard stage): ranks whose pipelines take other
+    shards hold other rows."""
+    import zlib
+
+    shards = dataset_shards(dataset)
+    return (zlib.crc32(repr(shards).encode()) or 1) if shards else 0
+
+
 def dataset_cache_files(dataset):
     """The files `dataset`'s ``cache(filename)`` stages will write: those whose cache is not
     complete yet (a complete one has its ``<filename>.index``; iterating then only reads it).

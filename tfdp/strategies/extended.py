@@ -14,11 +14,12 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
+from tfdp._compat.horovod import cross_rank
 from tfdp._compat.keras import (UNKNOWN, StrategyHooks, distributing_for_keras, one_replica_step,
                                 step_takes_whole_batch)
 from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVariable, creating_local_variables,
-                                     ORDER_DRAWN_PER_PROCESS, XLA_ERROR, in_xla_context, local_variable)
-from tfdp._compat.horovod import cross_rank
+                                     ORDER_DRAWN_PER_PROCESS, XLA_ERROR, dataset_cache_files, dataset_order,
+                                     dataset_shards_fingerprint, in_xla_context, local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, share_of_rank, take_rows
@@ -514,7 +515,22 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
     def _experimental_distribute_dataset(self, dataset, options):
         if distributing_for_keras():
             return dataset  # Keras's steps take their rows (`_call_for_each_replica`)
+        self._check_pipeline(dataset)
         return shard_global_batches(dataset, self._rank, self._size, self.balancer)
+
+    def _check_pipeline(self, dataset):
+        """A custom loop's dataset: the checks `agree_on_inputs` makes for Keras's (shared cache
+        files, shards per rank, orders that differ between ranks), in one all-gather."""
+        if self._size == 1:
+            return
+        files = dataset_cache_files(dataset)
+        row = [dataset_order(dataset), dataset_shards_fingerprint(dataset),
+               zlib.crc32(repr(files).encode()) if files else 0, cross_rank()]
+        gathered = self.communicator.allgather(tf.constant([row], tf.int64)).numpy().tolist()
+        orders, shards, caches, hosts = ([r[i] for r in gathered] for i in range(4))
+        self._refuse_shared_cache_files(caches, hosts, files)
+        self._warn_if_inputs_differ(shards)
+        self._warn_if_order_differs(orders)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         context = tf.distribute.InputContext(
