@@ -54,6 +54,14 @@ def section(output, script, rank):
     return lines[start:end]
 
 
+def marked(output, script, rank, needle):
+    """`section`'s lines, where each "case: NAME" marker stands (NAME -> index), and the indices of
+    the lines holding `needle`."""
+    lines = section(output, script, rank)
+    cases = {line[len("case: "):]: i for i, line in enumerate(lines) if line.startswith("case: ")}
+    return lines, cases, [i for i, line in enumerate(lines) if needle in line]
+
+
 def test_bad_input_is_a_value_error_on_every_rank_within_seconds(survived):
     # All cases in one job: each raises on both ranks at the same collective, so the next
     # case starts paired. The worker exits non-zero if a case does not raise.
@@ -141,9 +149,7 @@ def test_nonfinite_gradients_skip_the_step_on_every_rank(survived):
 def test_data_already_split_per_rank_is_warned_on_every_rank(survived):
     run, _ = survived
     for rank in (0, 1):
-        lines = section(run.output, "split_inputs.py", rank)
-        cases = {line[len("case: "):]: i for i, line in enumerate(lines) if line.startswith("case: ")}
-        warnings = [i for i, line in enumerate(lines) if "hold other rows than rank 0's" in line]
+        lines, cases, warnings = marked(run.output, "split_inputs.py", rank, "hold other rows than rank 0's")
         # Negative controls: whole data on every rank (arrays: fit and evaluate; tf.data) says nothing.
         assert len(warnings) == 2, lines
         assert cases["split per rank"] < warnings[0] < cases["whole tf.data"], lines
@@ -154,9 +160,7 @@ def test_data_already_split_per_rank_is_warned_on_every_rank(survived):
 def test_datasets_shuffled_differently_on_each_rank_are_warned_on_every_rank(survived):
     run, _ = survived
     for rank in (0, 1):
-        lines = section(run.output, "shuffled_datasets.py", rank)
-        cases = {line[len("case: "):]: i for i, line in enumerate(lines) if line.startswith("case: ")}
-        warnings = [i for i, line in enumerate(lines) if line.startswith("tfdp: warning: the tf.data pipeline")]
+        lines, cases, warnings = marked(run.output, "shuffled_datasets.py", rank, "tfdp: warning: the tf.data pipeline")
         # Negative controls: a seeded shuffle, and an unseeded one built after the strategy, say nothing.
         # Seeds that differ between ranks and a shuffle without any seed are warned about once each.
         assert len(warnings) == 3, lines
@@ -212,9 +216,7 @@ def test_a_callback_that_stops_one_rank_stops_every_rank_there(survived):
 def test_a_model_trained_outside_the_scope_is_warned_about_once_on_every_rank(survived):
     run, _ = survived
     for rank in (0, 1):
-        lines = section(run.output, "outside_scope.py", rank)
-        cases = {line[len("case: "):]: i for i, line in enumerate(lines) if line.startswith("case: ")}
-        warned = [i for i, line in enumerate(lines) if "trains it on each of the 2 workers alone" in line]
+        lines, cases, warned = marked(run.output, "outside_scope.py", rank, "trains it on each of the 2 workers alone")
         # Negative controls: the model of the scope, a second fit of the same model, and a model with
         # its own train_step say nothing.
         assert len(warned) == 1 and cases["alone"] < warned[0] < cases["alone again"], lines
