@@ -169,7 +169,9 @@ def _refuse_model_built_outside(model, strategy):
 
     Its weights were created before any tfdp strategy could make them rank 0's on every rank:
     on 2 workers such a model trained with averaged gradients from each rank's own random
-    initial weights, and the ranks' models stayed apart, silently.
+    initial weights, and the ranks' models stayed apart, silently. (Taking it over instead,
+    with rank 0's weights, fails at the first optimizer with slots: TF's MirroredStrategy only
+    colocates slots with variables created in its scope, as under tf.distribute.)
     """
     if strategy.num_replicas_in_sync < 2 or not model.weights:
         return
