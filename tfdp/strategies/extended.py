@@ -40,6 +40,11 @@ def _describe_signature(row):
     return f"dtype={tf.dtypes.as_dtype(int(row[0])).name}, shape={dims}"
 
 
+def _fingerprint(items):
+    """A CRC-32 of a list (0 when it is empty), to compare lists across ranks in one all-gather."""
+    return (zlib.crc32(repr(items).encode()) or 1) if items else 0
+
+
 def _describe_spec(element_spec):
     """`dtype[shape without the batch axis]` of every input, e.g. 'float32[4], int64[]'."""
     parts = []
@@ -386,7 +391,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         spec = _describe_spec(element_spec)
         gathered = self.communicator.allgather(
             tf.constant([[int(count), zlib.crc32(spec.encode()), int(content), int(order),
-                          zlib.crc32(repr(sorted(cache_files)).encode()) if cache_files else 0, cross_rank()]],
+                          _fingerprint(sorted(cache_files)), cross_rank()]],
                         tf.int64)).numpy().tolist()
         counts, fingerprints, contents, orders, caches, hosts = ([row[i] for row in gathered] for i in range(6))
         differ = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
@@ -524,8 +529,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         if self._size == 1:
             return
         files = dataset_cache_files(dataset)
-        row = [dataset_order(dataset), dataset_shards_fingerprint(dataset),
-               zlib.crc32(repr(files).encode()) if files else 0, cross_rank()]
+        row = [dataset_order(dataset), dataset_shards_fingerprint(dataset), _fingerprint(files), cross_rank()]
         gathered = self.communicator.allgather(tf.constant([row], tf.int64)).numpy().tolist()
         orders, shards, caches, hosts = ([r[i] for r in gathered] for i in range(4))
         self._refuse_shared_cache_files(caches, hosts, files)
