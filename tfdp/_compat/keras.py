@@ -1372,7 +1372,7 @@ def _patch_epoch_iterator():
     # up to the fewest batches, or (inputs of unknown length) step by step.
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    from tfdp._compat.tensorflow import dataset_cache_files, dataset_order, dataset_shards_fingerprint
+    from tfdp._compat.tensorflow import dataset_cache_files, dataset_order, dataset_shards, list_fingerprint
 
     original_init = tf_trainer.TFEpochIterator.__init__
     original_next = tf_trainer.TFEpochIterator.__next__
@@ -1390,7 +1390,7 @@ def _patch_epoch_iterator():
         hooks.check_batch_size(getattr(self.data_adapter, "batch_size", None))
         mode, fewest = hooks.agree_on_inputs(_input_count(self), self._distributed_dataset.element_spec,
                                              bool(self.steps_per_epoch), content=_content_fingerprint(self)
-                                             or dataset_shards_fingerprint(self._distributed_dataset),
+                                             or list_fingerprint(dataset_shards(self._distributed_dataset)),
                                              order=dataset_order(self._distributed_dataset),
                                              cache_files=dataset_cache_files(self._distributed_dataset))
         if mode == "fewest":

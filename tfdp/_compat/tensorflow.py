@@ -97,6 +97,18 @@ def global_seed():
 ORDER_DRAWN_PER_PROCESS = -1
 
 
+def list_fingerprint(items):
+    """A CRC-32 of a list (0 when it is empty), to compare lists across ranks in one all-gather.
+
+    Example:
+        >>> list_fingerprint([]), list_fingerprint([(2, 1)]) == list_fingerprint([(2, 1)])
+        (0, True)
+    """
+    import zlib
+
+    return (zlib.crc32(repr(items).encode()) or 1) if items else 0
+
+
 def _stages(dataset):
     """Every stage of a tf.data pipeline, `dataset` first: the Python dataset objects reached
     through `_inputs()` (tensorflow/python/data/ops/dataset_ops.py). A stage that does not list
@@ -132,8 +144,6 @@ def dataset_order(dataset):
         ...     tf.data.Dataset.range(8).shuffle(8, seed=1))
         True
     """
-    import zlib
-
     try:
         deterministic_by_default = dataset.options().deterministic is not False
     except Exception:  # noqa: BLE001 - not a tf.data dataset: nothing to read
@@ -148,7 +158,7 @@ def dataset_order(dataset):
         flag = getattr(stage, "_deterministic", "true")
         if flag == "false" or (flag == "default" and not deterministic_by_default):
             return ORDER_DRAWN_PER_PROCESS
-    return zlib.crc32(repr(seeds).encode()) or 1 if seeds else 0
+    return list_fingerprint(seeds)
 
 
 def dataset_shards(dataset):
@@ -169,15 +179,6 @@ def dataset_shards(dataset):
             if pair[0] != 1:
                 shards.append(pair)
     return sorted(shards)
-
-
-def dataset_shards_fingerprint(dataset):
-    """A CRC-32 of `dataset_shards` (0 without any shard stage): ranks whose pipelines take other
-    shards hold other rows."""
-    import zlib
-
-    shards = dataset_shards(dataset)
-    return (zlib.crc32(repr(shards).encode()) or 1) if shards else 0
 
 
 def dataset_cache_files(dataset):

@@ -19,7 +19,7 @@ from tfdp._compat.keras import (UNKNOWN, StrategyHooks, distributing_for_keras, 
                                 step_takes_whole_batch)
 from tfdp._compat.tensorflow import (Mirrored, MirroredExtended, SyncOnReadVariable, creating_local_variables,
                                      ORDER_DRAWN_PER_PROCESS, XLA_ERROR, dataset_cache_files, dataset_order,
-                                     dataset_shards_fingerprint, in_xla_context, local_variable)
+                                     dataset_shards, in_xla_context, list_fingerprint, local_variable)
 from tfdp.reducers.base import rows_in_this_step, rows_of_this_step
 from tfdp.runtime import replica_device
 from tfdp.strategies.data import num_rows, shard_global_batches, share_of_rank, take_rows
@@ -38,11 +38,6 @@ def _describe_signature(row):
     ndim = int(row[1])
     dims = [int(d) for d in row[2 : 2 + min(ndim, _SIGNATURE_DIMS)]]
     return f"dtype={tf.dtypes.as_dtype(int(row[0])).name}, shape={dims}"
-
-
-def _fingerprint(items):
-    """A CRC-32 of a list (0 when it is empty), to compare lists across ranks in one all-gather."""
-    return (zlib.crc32(repr(items).encode()) or 1) if items else 0
 
 
 def _describe_spec(element_spec):
@@ -391,7 +386,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         spec = _describe_spec(element_spec)
         gathered = self.communicator.allgather(
             tf.constant([[int(count), zlib.crc32(spec.encode()), int(content), int(order),
-                          _fingerprint(sorted(cache_files)), cross_rank()]],
+                          list_fingerprint(sorted(cache_files)), cross_rank()]],
                         tf.int64)).numpy().tolist()
         counts, fingerprints, contents, orders, caches, hosts = ([row[i] for row in gathered] for i in range(6))
         differ = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
@@ -529,7 +524,7 @@ class HorovodExtended(MirroredExtended, StrategyHooks):
         if self._size == 1:
             return
         files = dataset_cache_files(dataset)
-        row = [dataset_order(dataset), dataset_shards_fingerprint(dataset), _fingerprint(files), cross_rank()]
+        row = [dataset_order(dataset), list_fingerprint(dataset_shards(dataset)), list_fingerprint(files), cross_rank()]
         gathered = self.communicator.allgather(tf.constant([row], tf.int64)).numpy().tolist()
         orders, shards, caches, hosts = ([r[i] for r in gathered] for i in range(4))
         self._refuse_shared_cache_files(caches, hosts, files)
